@@ -1,0 +1,29 @@
+"""fisher_optax: memory-efficient optimizers from structured Fisher approximation.
+
+Public API only (re-exports). See SPEC.md and the paper
+"Towards Efficient Optimizer Design for LLM via Structured Fisher Approximation
+with a Low-Rank Extension".
+"""
+
+from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthLimiterState,
+                                 OnCoefficientsState, ScaleByBiasCorrectionState,
+                                 ScaleByMomentsState, ScaleByTwoSidedState, Subspace, Switch,
+                                 SvdRefresh, compensate, low_rank_track, norm_growth_limiter,
+                                 on_coefficients, project_back, scale_by_bias_correction,
+                                 scale_by_moments, scale_by_two_sided, svd_refresh, switch)
+from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
+from fisher_optax.optimizers import alice, alice0, fira, galore, racs
+from fisher_optax.routing import MatrixDims, default_mask, path_mask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "alice", "alice0", "fira", "galore", "racs",
+    "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
+    "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
+    "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",
+    "MatrixDims", "default_mask", "path_mask",
+    "state_bytes", "state_numbers", "paper_state_numbers",
+    "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
+    "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",
+]

@@ -1,0 +1,10 @@
+"""Building blocks: one module per structural approximation (SPEC.md)."""
+
+from fisher_optax.blocks.compensate import CompensateState, compensate
+from fisher_optax.blocks.limiter import NormGrowthLimiterState, limit_growth, norm_growth_limiter
+from fisher_optax.blocks.low_rank import (LowRankTrackState, OnCoefficientsState, Subspace,
+                                          low_rank_track, on_coefficients, project_back)
+from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMomentsState,
+                                         scale_by_bias_correction, scale_by_moments)
+from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch
+from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided

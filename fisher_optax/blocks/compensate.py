@@ -1,0 +1,110 @@
+"""Complement compensation: make a low-rank update full-rank (paper Sec. 5.3).
+
+``method="optimal"`` -- paper Alg. "Compensation" with the optimal diagonal of
+Thm. "Optimal compensation" (decay ``b1``)::
+
+    R   = G - U sigma                                     (= U_c U_c^T G)
+    p  <- b1 p + (1 - b1) colsum(R^2)                     (= colsum(G^2) - colsum(sigma^2))
+    C   = sqrt(m - r) R diag(p)^-1/2
+    eta = limiter(||C||_F, phi)                           (fisher_optax.blocks.limiter)
+    out = U coeffs + weight * eta * C
+
+``colsum(R^2)`` equals the paper's ``colsum(G^2) - colsum(sigma^2)`` in exact
+arithmetic (``U`` orthonormal) but cannot cancel to a negative or tiny value in
+floating point, which would blow ``C`` up; columns with ``p = 0`` get 0. The
+result is orthogonal to span(U) before the ``U coeffs`` term is added.
+
+``method="fira"`` -- Fira's compensation as in its release (``fira_adamw.py``)::
+
+    phi_j = ||coeffs_{:,j}|| / (||sigma_{:,j}|| + 1e-8)    (per column of r x n)
+    out   = scale * U coeffs + weight * eta * (G - scale * U sigma) diag(phi)
+
+where ``scale`` is GaLore's ``alpha``: the release's ``project_back`` multiplies
+by ``alpha`` before the residual is formed, so the residual keeps
+``(1 - alpha) U U^T G``. We keep that behaviour.
+
+State per matrix: ``p`` (``n``, optimal only) and the limiter's ``phi`` (1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import linalg, routing
+from fisher_optax.blocks import limiter as limiter_lib
+from fisher_optax.blocks import low_rank
+
+
+class CompensateState(NamedTuple):
+  """``p``: ``batch + (n,)`` column statistics (``None`` for Fira); ``phi``: ``batch``."""
+  p: Optional[optax.Updates]
+  phi: optax.Updates
+
+
+def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
+               limiter: Optional[float] = 1.01, scale: float = 1.0,
+               dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+  """Maps :class:`~fisher_optax.blocks.low_rank.Subspace` nodes to compensated dense updates.
+
+  Args:
+    method: ``"optimal"`` (Alice, Thm. "Optimal compensation") or ``"fira"``.
+    weight: factor on the compensation term (Alice's ``alpha_c``).
+    b1: decay of ``p`` (optimal method), [0, 1).
+    limiter: norm-growth threshold ``gamma > 0`` on the compensation term, or
+      ``None`` for no limiter.
+    scale: factor on the back-projection ``U coeffs`` (and, for Fira, on
+      ``U sigma`` in the residual); GaLore/Fira's ``alpha``. Alice uses 1.
+    dims: matrix axes per leaf, as given to :func:`low_rank_track`.
+  """
+  if method not in ("optimal", "fira"):
+    raise ValueError(f"`method` must be 'optimal' or 'fira', got {method!r}")
+  routing.check_range("b1", b1, low=0.0, high=1.0)
+  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+                      allow_none=True)
+  what = "compensate"
+
+  def init_fn(params):
+    views = routing.views_like(params, dims, smaller_first=True, what=what)
+    p = None
+    if method == "optimal":
+      p = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32), params, views)
+    phi = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape, jnp.float32), params, views)
+    return CompensateState(p=p, phi=phi)
+
+  def one(s, p, phi):
+    g, u, sigma, coeffs = s.grad, s.basis, s.sigma, s.coeffs
+    m, r = u.shape[-2], u.shape[-1]
+    low = low_rank.dense_low_rank(s)
+    if method == "optimal":
+      resid = g - u @ sigma
+      p_new = b1 * p + (1 - b1) * jnp.sum(jnp.square(resid), axis=-2)
+      p_new = jnp.where(jnp.isfinite(p_new), p_new, p)
+      c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
+    else:
+      p_new = None
+      col = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=-2))
+      factor = col(coeffs) / (col(sigma) + 1e-8)
+      c = (g - scale * (u @ sigma)) * factor[..., None, :]
+    c = jnp.where(jnp.isfinite(c), c, 0.0)
+    if limiter is not None:
+      norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
+      eta, phi_new = limiter_lib.limit_growth(norm, phi, limiter)
+      c = c * eta[..., None, None]
+    else:
+      phi_new = phi
+    return low_rank.to_leaf(s, scale * low + weight * c), p_new, phi_new
+
+  def update_fn(updates, state, params=None):
+    del params
+    p_tree = state.p if method == "optimal" else jax.tree.map(lambda _: None, state.phi)
+    res = jax.tree.map(one, updates, p_tree, state.phi, is_leaf=low_rank.is_subspace)
+    pick = lambda i: jax.tree.map(lambda _, r: r[i], state.phi, res)
+    p = pick(1) if method == "optimal" else None
+    return pick(0), CompensateState(p=p, phi=pick(2))
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,93 @@
+"""Norm-growth limiter (Fira; paper Alg. "RACS" lines 9-10 and Alg. "Compensation" lines 4-6).
+
+For each matrix, with ``phi`` the (limited) norm of the previous step::
+
+    eta  = gamma / max(||X_t||_F / phi, gamma)     if phi > 0, else 1
+    phi <- eta * ||X_t||_F
+    X_t <- eta * X_t
+
+so the Frobenius norm of the output grows by at most a factor ``gamma`` per step.
+The paper writes "eta = 1 at t = 1" (RACS) and "eta = 1 if phi = 0" (Compensation);
+both read ``eta = 1 while phi = 0`` here, which also keeps a run that starts with
+all-zero gradients from being frozen at eta = 0 forever.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import routing
+
+
+def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+  """Returns ``(eta, new_phi)`` for the current norm and the previous ``phi``.
+
+  Non-finite norms leave ``phi`` unchanged and give ``eta = 0``... unless ``phi``
+  is 0, in which case there is no reference yet and ``eta = 1``.
+  """
+  norm = norm.astype(jnp.float32)
+  safe_phi = jnp.where(phi > 0, phi, 1.0)
+  eta = jnp.where(phi > 0, threshold / jnp.maximum(norm / safe_phi, threshold), 1.0)
+  new_phi = eta * norm
+  return eta, jnp.where(jnp.isfinite(new_phi), new_phi, phi)
+
+
+class NormGrowthLimiterState(NamedTuple):
+  """``phi``: per matrix (shape = batch shape of the leaf; ``()`` for non-matrices)."""
+  phi: optax.Updates
+
+
+def norm_growth_limiter(threshold: float = 1.01, *,
+                        dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+  """Fira's norm-growth limiter, per matrix (stacked leaves: per slice).
+
+  Args:
+    threshold: ``gamma > 0``, the largest allowed growth factor of the update
+      norm between consecutive steps (paper: 1.01).
+    dims: matrix axes of leaves with ndim >= 2 (default: the last two). Leaves
+      with ndim < 2 are limited as one block.
+
+  Returns:
+    An ``optax.GradientTransformation``; its update implements
+    ``X <- gamma / max(||X|| / phi, gamma) * X`` (module docstring).
+  """
+  routing.check_range("threshold", threshold, low=0.0, high=float("inf"), low_open=True)
+
+  def _views(tree):
+    dims_tree = routing.resolve_dims(dims, tree)
+    return jax.tree.map(
+        lambda x, d: routing.matrix_view(x.shape, d) if jnp.ndim(x) >= 2 else None,
+        tree, dims_tree)
+
+  def _norm(x, view):
+    x = x.astype(jnp.float32)
+    if view is None:
+      return jnp.sqrt(jnp.sum(jnp.square(x)))
+    return jnp.sqrt(jnp.sum(jnp.square(view.to_canonical(x)), axis=(-2, -1)))
+
+  def init_fn(params):
+    views = _views(params)
+    return NormGrowthLimiterState(phi=jax.tree.map(
+        lambda p, v: jnp.zeros(v.batch_shape if v else (), jnp.float32), params, views,
+        is_leaf=lambda x: x is None))
+
+  def update_fn(updates, state, params=None):
+    del params
+    views = _views(updates)
+
+    def one(u, phi, view):
+      eta, new_phi = limit_growth(_norm(u, view), phi, threshold)
+      if view is not None:
+        eta = view.from_canonical(eta[..., None, None])
+      return (u * eta).astype(u.dtype), new_phi
+
+    out = jax.tree.map(one, updates, state.phi, views, is_leaf=lambda x: x is None)
+    new_updates = jax.tree.map(lambda _, o: o[0], updates, out)
+    new_phi = jax.tree.map(lambda _, o: o[1], updates, out)
+    return new_updates, NormGrowthLimiterState(phi=new_phi)
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,241 @@
+"""Low-rank tracking (paper Sec. 5.1, Eq. "tracking step") and the subspace glue.
+
+Data flow of a low-rank chain (SPEC.md design)::
+
+    low_rank_track  ->  on_coefficients(any optax tx)  ->  project_back | compensate
+
+:func:`low_rank_track` replaces every matrix gradient by a :class:`Subspace` node
+carrying ``sigma = U^T G`` (``r x n``), the basis ``U`` (``m x r``) and the
+canonical gradient ``G`` (``m x n``, ``m <= n``: tall matrices are transposed).
+:func:`on_coefficients` runs an optax transformation on the ``coeffs`` of those
+nodes only; :func:`project_back` maps ``U @ coeffs`` back to a dense update in the
+parameter's layout and dtype; :func:`fisher_optax.compensate` does the same plus
+the complement compensation.
+
+Tracking (Alice): ``Q~_t = b3 Q~_{t-1} + (1 - b3) sigma_t sigma_t^T`` (``r x r``),
+re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``tracking=0``
+(Alice-0, GaLore) stores no ``r x r`` state.
+
+Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...; SPEC.md),
+under ``lax.cond`` inside the compiled step, with the policy given as
+``refresh=`` (:mod:`fisher_optax.blocks.switching`). A refresh that produces a
+non-finite basis keeps the previous one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fisher_optax import routing
+from fisher_optax.blocks import switching as switching_lib
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Subspace:
+  """Per-matrix message between low-rank blocks (a pytree node).
+
+  Attributes:
+    coeffs: ``batch + (r, n)``: what :func:`on_coefficients` transforms
+      (starts as ``sigma``).
+    sigma: ``batch + (r, n)``: the raw projected gradient ``U^T G``.
+    basis: ``batch + (m, r)``: the orthonormal basis ``U``.
+    grad: ``batch + (m, n)``: the gradient in canonical layout (float32).
+    view: static: how to map canonical arrays back to the leaf layout.
+    dtype: static: the gradient's dtype (dense outputs are cast to it).
+  """
+
+  coeffs: jax.Array
+  sigma: jax.Array
+  basis: jax.Array
+  grad: jax.Array
+  view: routing.MatrixView = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+
+def is_subspace(x: Any) -> bool:
+  return isinstance(x, Subspace)
+
+
+def clipped_rank(rank: int, view: routing.MatrixView) -> int:
+  """``rank`` clipped to ``min(m, n)`` of one matrix (SPEC.md)."""
+  return min(int(rank), view.m)
+
+
+def _views(tree, dims, what):
+  return routing.views_like(tree, dims, smaller_first=True, what=what)
+
+
+class LowRankTrackState(NamedTuple):
+  """``basis``: ``batch + (m, r)``; ``tracked``: ``batch + (r, r)`` or ``None``
+  (no tracking); ``key``: PRNG key (``None`` for deterministic policies)."""
+  count: jax.Array
+  basis: optax.Updates
+  tracked: Optional[optax.Updates]
+  key: Optional[jax.Array]
+
+
+def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
+                   refresh: Optional[Any] = None, dims: routing.DimsSpec = None,
+                   state_dtype: Optional[jnp.dtype] = None) -> optax.GradientTransformation:
+  """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
+
+  Every step: ``sigma = U^T G``; if ``tracking > 0``:
+  ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``. Emits :class:`Subspace` nodes.
+
+  Args:
+    rank: ``r >= 1``; clipped per matrix to ``min(m, n)``.
+    interval: refresh period ``K >= 1``.
+    tracking: ``b3`` in [0, 1); 0 disables the ``r x r`` state (Alice-0, GaLore).
+    refresh: a policy from :mod:`~fisher_optax.blocks.switching`
+      (default ``switch(leading=None)``: subspace iteration, no switching).
+    dims: matrix axes per leaf (default: the last two).
+    state_dtype: dtype of ``U`` and ``Q~`` in the state (default float32; all
+      decompositions run in float32 regardless).
+  """
+  routing.check_int("rank", rank, low=1)
+  routing.check_int("interval", interval, low=1)
+  routing.check_range("tracking", tracking, low=0.0, high=1.0)
+  policy = refresh if refresh is not None else switching_lib.switch()
+  has_tracking = not (isinstance(tracking, (int, float)) and tracking == 0)
+  sdtype = state_dtype or jnp.float32
+  what = "low_rank_track"
+
+  def init_fn(params):
+    views = _views(params, dims, what)
+    basis = jax.tree.map(
+        lambda p, v: jnp.zeros(v.batch_shape + (v.m, clipped_rank(rank, v)), sdtype), params, views)
+    tracked = None
+    if has_tracking:
+      tracked = jax.tree.map(
+          lambda p, v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v),) * 2, sdtype),
+          params, views)
+    key = jax.random.PRNGKey(policy.seed) if policy.random else None
+    return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked, key=key)
+
+  def update_fn(updates, state, params=None):
+    del params
+    views = _views(updates, dims, what)
+    count = state.count
+    do_refresh = (count % interval) == 0
+    is_first = count == 0
+    leaves, treedef = jax.tree.flatten(updates)
+    u_leaves = treedef.flatten_up_to(state.basis)
+    q_leaves = treedef.flatten_up_to(state.tracked) if has_tracking else [None] * len(leaves)
+    v_leaves = treedef.flatten_up_to(views)
+
+    out, new_u, new_q = [], [], []
+    for i, (g, u_old, q_old, view) in enumerate(zip(leaves, u_leaves, q_leaves, v_leaves)):
+      gc = view.to_canonical(g).astype(jnp.float32)
+      u_old = u_old.astype(jnp.float32)
+      q_old = q_old.astype(jnp.float32) if q_old is not None else None
+      r = u_old.shape[-1]
+      nb = len(view.batch_shape)
+
+      def refreshed(gc=gc, u_old=u_old, q_old=q_old, i=i, r=r, nb=nb, view=view):
+        keys = (switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
+                if policy.random else None)
+
+        def one(g1, u1, q1, k1):
+          u_new = jax.lax.cond(is_first, lambda: policy.first(g1, r),
+                               lambda: policy.refresh(g1, u1, q1, tracking, k1))
+          u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
+          if q1 is None:
+            return u_new, None
+          rot = u_new.T @ u1
+          return u_new, rot @ q1 @ rot.T
+
+        return routing.vmap_batch(one, nb)(gc, u_old, q_old, keys)
+
+      u, q = jax.lax.cond(do_refresh, refreshed, lambda u_old=u_old, q_old=q_old: (u_old, q_old))
+      sigma = jnp.swapaxes(u, -1, -2) @ gc
+      if q is not None:
+        q = tracking * q + (1 - tracking) * (sigma @ jnp.swapaxes(sigma, -1, -2))
+        new_q.append(q.astype(sdtype))
+      new_u.append(u.astype(sdtype))
+      out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
+
+    new_state = LowRankTrackState(
+        count=optax.safe_int32_increment(count),
+        basis=treedef.unflatten(new_u),
+        tracked=treedef.unflatten(new_q) if has_tracking else None,
+        key=state.key)
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+class OnCoefficientsState(NamedTuple):
+  inner_state: optax.OptState
+
+
+def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
+                    dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+  """Runs ``inner`` (e.g. ``optax.scale_by_adam``) on the subspace coefficients.
+
+  ``inner`` sees a tree of ``batch + (r, n)`` arrays (``r`` clipped per matrix)
+  and must not need ``params``. ``rank`` and ``dims`` must equal those given to
+  :func:`low_rank_track` (they define the coefficient shapes at ``init``).
+  """
+  routing.check_int("rank", rank, low=1)
+  what = "on_coefficients"
+
+  def _coeff_like(params):
+    views = _views(params, dims, what)
+    return jax.tree.map(
+        lambda p, v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v), v.n), jnp.float32),
+        params, views)
+
+  def init_fn(params):
+    return OnCoefficientsState(inner_state=inner.init(_coeff_like(params)))
+
+  def update_fn(updates, state, params=None):
+    del params
+    def get(s):
+      if not is_subspace(s):
+        raise ValueError("on_coefficients expects the output of low_rank_track, got a "
+                         f"{type(s).__name__} leaf")
+      if s.coeffs.shape[-2] != clipped_rank(rank, s.view):
+        raise ValueError(f"on_coefficients(rank={rank}) does not match the rank "
+                         f"{s.coeffs.shape[-2]} emitted by low_rank_track for a leaf of "
+                         f"shape {s.view.shape}: give both blocks the same `rank`.")
+      return s.coeffs
+
+    coeffs = jax.tree.map(get, updates, is_leaf=is_subspace)
+    new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
+    out = jax.tree.map(lambda s, c: dataclasses.replace(s, coeffs=c.astype(jnp.float32)),
+                       updates, new_coeffs, is_leaf=is_subspace)
+    return out, OnCoefficientsState(inner_state=inner_state)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def dense_low_rank(s: Subspace) -> jax.Array:
+  """``U @ coeffs`` in canonical layout (float32)."""
+  return s.basis @ s.coeffs
+
+
+def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
+  """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
+  return s.view.from_canonical(canonical).astype(s.dtype)
+
+
+def project_back() -> optax.GradientTransformation:
+  """Maps each :class:`Subspace` to the dense update ``U @ coeffs`` (GaLore's back-projection)."""
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda s: to_leaf(s, dense_low_rank(s)), updates,
+                        is_leaf=is_subspace), state
+
+  return optax.GradientTransformation(init_fn, update_fn)

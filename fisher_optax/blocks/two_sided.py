@@ -1,0 +1,121 @@
+"""Two-sided row/column scaling: the RACS preconditioner (paper Sec. 4, Prop. "Two-sided
+scaling", Alg. "RACS").
+
+Structure ``F ~ S (x) Q`` with positive diagonal ``S = diag(s)`` (n x n) and
+``Q = diag(q)`` (m x m). With ``P = G * G`` (elementwise, float32) the optimum is
+the fixed point of (paper Eq. "iterative procedure double scaling")::
+
+    s = P^T q / ||q||^2,      q = P s / ||s||^2,
+
+started from ``q = 1`` and run ``iters`` times; at convergence ``s`` and ``q``
+are the right/left principal singular vectors of ``P`` (up to scale). States are
+EMAs without bias correction, started at 0::
+
+    s_t = beta s_{t-1} + (1 - beta) s,    q_t = beta q_{t-1} + (1 - beta) q
+    G~  = diag(q_t)^-1/2  G  diag(s_t)^-1/2        (square-root NGD, Sec. 4)
+
+Numerics (SPEC.md decisions):
+  * ``P`` is formed from ``G / max|G|``; the iteration gives ``q`` exactly as for
+    ``P`` (q is invariant to scaling ``P``) and ``s`` is rescaled by ``max|G|^2``,
+    so the update is invariant to scaling ``G`` over 1e-15 .. 1e15 in float32.
+  * ``eps`` is a *relative* floor: ``q`` is clamped at ``eps * max(q)`` and ``s`` at
+    ``eps * max(s)`` (an absolute floor would break scale invariance).
+  * zero rows / columns / gradients give a zero (finite) update there, never NaN.
+
+State per matrix: ``m + n`` numbers (the limiter's scalar is in
+:func:`fisher_optax.norm_growth_limiter`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import linalg, routing
+
+
+class ScaleByTwoSidedState(NamedTuple):
+  """``s``: column scales ``batch + (n,)``; ``q``: row scales ``batch + (m,)`` (float32)."""
+  s: optax.Updates
+  q: optax.Updates
+
+
+def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Array]:
+  """``(s, q)`` after ``iters`` rounds of the fixed point for ``P = G * G`` (one matrix).
+
+  Returned in the paper's gauge (``q`` from ``q_0 = 1``; ``s`` carries the scale of
+  ``P``), computed stably from the max-normalised gradient.
+  """
+  g = g.astype(jnp.float32)
+  c = jnp.max(jnp.abs(g))
+  c = jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
+  p = jnp.square(g / c)
+  tiny = jnp.finfo(jnp.float32).tiny
+  q = jnp.ones((g.shape[0],), jnp.float32)
+  s = jnp.zeros((g.shape[1],), jnp.float32)
+  for _ in range(iters):
+    s = p.T @ q / jnp.maximum(jnp.sum(q * q), tiny)
+    q = p @ s / jnp.maximum(jnp.sum(s * s), tiny)
+  return s * (c * c), q
+
+
+def _scale(g, s, q, eps):
+  s_floor = eps * jnp.max(s)
+  q_floor = eps * jnp.max(q)
+  rs = linalg.safe_rsqrt(jnp.maximum(s, s_floor))
+  rq = linalg.safe_rsqrt(jnp.maximum(q, q_floor))
+  out = g.astype(jnp.float32) * rq[:, None] * rs[None, :]
+  return jnp.where(jnp.isfinite(out), out, 0.0)
+
+
+def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
+                       dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+  """RACS two-sided scaling ``G -> diag(q)^-1/2 G diag(s)^-1/2`` (paper Alg. "RACS" l.5-8).
+
+  Args:
+    beta: EMA decay of ``s`` and ``q``, in [0, 1).
+    iters: fixed-point iterations per step (paper: 5), >= 1.
+    eps: relative floor of the scales, in [0, 1).
+    dims: matrix axes of each leaf (default: the last two). Every leaf must be a
+      matrix or a stack of matrices; route others elsewhere (``mask=``).
+
+  Returns:
+    An ``optax.GradientTransformation``. Updates keep the gradient dtype; the
+    state is float32.
+  """
+  routing.check_range("beta", beta, low=0.0, high=1.0)
+  routing.check_int("iters", iters, low=1)
+  routing.check_range("eps", eps, low=0.0, high=1.0)
+  what = "scale_by_two_sided (RACS)"
+
+  def init_fn(params):
+    views = routing.views_like(params, dims, smaller_first=False, what=what)
+    s = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32), params, views)
+    q = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32), params, views)
+    return ScaleByTwoSidedState(s=s, q=q)
+
+  def update_fn(updates, state, params=None):
+    del params
+    views = routing.views_like(updates, dims, smaller_first=False, what=what)
+
+    def one(g, s, q, view):
+      def per_matrix(gm, sm, qm):
+        s_new, q_new = two_sided_fixed_point(gm, iters)
+        s_t = beta * sm + (1 - beta) * s_new
+        q_t = beta * qm + (1 - beta) * q_new
+        ok = jnp.all(jnp.isfinite(s_t)) & jnp.all(jnp.isfinite(q_t))
+        s_t, q_t = jnp.where(ok, s_t, sm), jnp.where(ok, q_t, qm)
+        return _scale(gm, s_t, q_t, eps), s_t, q_t
+
+      fn = routing.vmap_batch(per_matrix, len(view.batch_shape))
+      out, s_t, q_t = fn(view.to_canonical(g), s, q)
+      return view.from_canonical(out).astype(g.dtype), s_t, q_t
+
+    res = jax.tree.map(one, updates, state.s, state.q, views)
+    pick = lambda i: jax.tree.map(lambda _, r: r[i], updates, res)
+    return pick(0), ScaleByTwoSidedState(s=pick(1), q=pick(2))
+
+  return optax.GradientTransformation(init_fn, update_fn)

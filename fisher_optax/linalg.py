@@ -1,0 +1,73 @@
+"""Float32 linear algebra shared by the blocks: eigh, QR, subspace iteration, complements.
+
+All functions act on one matrix (callers ``vmap`` over stacks) and compute in
+float32 whatever the input dtype (SPEC.md, "Numerics"). Eigen/singular vectors are
+returned with a canonical sign -- the entry of largest magnitude in each column is
+positive -- so that results do not depend on the LAPACK/cuSOLVER sign convention,
+precision or device. That matters because the low-rank methods carry moments over
+a change of basis without rotating them (paper Alg. "Alice", GaLore).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def canonical_signs(v: jax.Array) -> jax.Array:
+  """Flips each column of ``v`` so that its largest-magnitude entry is positive."""
+  idx = jnp.argmax(jnp.abs(v), axis=0)
+  s = jnp.sign(jnp.take_along_axis(v, idx[None, :], axis=0))
+  return v * jnp.where(s == 0, 1.0, s).astype(v.dtype)
+
+
+def eigh_desc(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Eigen-decomposition of a symmetric matrix, eigenvalues in descending order.
+
+  Returns ``(w, V)`` with ``a = V diag(w) V^T``, computed in float32, with
+  canonical column signs.
+  """
+  a = a.astype(f32)
+  a = 0.5 * (a + a.T)
+  w, v = jnp.linalg.eigh(a)
+  return w[::-1], canonical_signs(v[:, ::-1])
+
+
+def top_eigvecs(a: jax.Array, r: int) -> jax.Array:
+  """Top-``r`` eigenvectors of a symmetric matrix (float32 eigh), ``m x r``."""
+  return eigh_desc(a)[1][:, :r]
+
+
+def top_left_singular(g: jax.Array, r: int) -> jax.Array:
+  """Top-``r`` left singular vectors of ``g`` (float32 SVD, canonical signs), ``m x r``."""
+  u, _, _ = jnp.linalg.svd(g.astype(f32), full_matrices=False)
+  return canonical_signs(u[:, :r])
+
+
+def orthonormalize(h: jax.Array) -> jax.Array:
+  """Thin QR: an orthonormal basis (``m x r``) of the columns of ``h``."""
+  q, _ = jnp.linalg.qr(h.astype(f32), mode="reduced")
+  return q
+
+
+def complement_basis(u: jax.Array) -> jax.Array:
+  """Orthonormal basis (``m x (m - r)``) of the complement of span(``u``), ``u`` orthonormal.
+
+  The paper (Sec. "Switching") approximates ``U_c`` by the QR decomposition of
+  ``U``: the last ``m - r`` columns of the complete Householder QR of ``u``.
+  """
+  m, r = u.shape
+  q, _ = jnp.linalg.qr(u.astype(f32), mode="complete")
+  return q[:, r:]
+
+
+def safe_rsqrt(x: jax.Array) -> jax.Array:
+  """``x ** -1/2`` where ``x > 0``, else 0: a zero scale gives a zero (finite) update."""
+  pos = x > 0
+  return jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, x, 1.0)), 0.0)
+
+
+def all_finite(x: jax.Array) -> jax.Array:
+  return jnp.all(jnp.isfinite(x))

@@ -1,0 +1,60 @@
+"""Optimizer-state sizes: measured from state trees, and the paper's formulas.
+
+Paper App. Table "memory consumption of low-rank optimizers" and Sec. 4 (RACS),
+for one ``m x n`` matrix with ``m <= n`` and rank ``r`` (weights excluded):
+
+=============  ===========================
+RACS           ``m + n + 1``
+GaLore         ``2nr + mr``
+Fira           ``2nr + mr`` (+1 limiter scalar)
+Alice          ``2nr + mr + r^2 + n`` (+1 limiter scalar)
+Alice-0        ``2nr + mr + n`` (+1)
+Adam           ``2mn``
+=============  ===========================
+
+The "+1" scalars (limiter norms), step counters and PRNG keys are listed
+separately by :func:`paper_state_numbers` (``extra``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def state_bytes(state: Any) -> int:
+  """Total bytes of the array leaves of ``state`` (works on ``jax.eval_shape`` output)."""
+  total = 0
+  for x in jax.tree.leaves(state):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      total += int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def state_numbers(state: Any) -> int:
+  """Total number of elements of the array leaves of ``state``."""
+  return sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state)
+             if hasattr(x, "shape"))
+
+
+def paper_state_numbers(name: str, m: int, n: int, rank: int = 0) -> tuple[int, int]:
+  """``(formula, extra)``: the paper's per-matrix state numbers, and per-matrix scalars.
+
+  ``m, n`` are the matrix sizes in any order (the formulas use ``m <= n``);
+  ``rank`` is clipped to ``min(m, n)``.
+  """
+  m, n = min(m, n), max(m, n)
+  r = min(rank, m)
+  table = {
+      "racs": (m + n, 1),
+      "galore": (2 * n * r + m * r, 0),
+      "fira": (2 * n * r + m * r, 1),
+      "alice": (2 * n * r + m * r + r * r + n, 1),
+      "alice0": (2 * n * r + m * r + n, 1),
+      "adam": (2 * m * n, 0),
+  }
+  if name not in table:
+    raise ValueError(f"no formula for {name!r}; known: {sorted(table)}")
+  return table[name]

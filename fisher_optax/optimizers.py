@@ -1,0 +1,136 @@
+"""Named optimizers: short chains of blocks (like ``optax/_src/alias.py``). No math here.
+
+Each returns an ``optax.GradientTransformationExtraArgs`` that applies the
+structured rule to the leaves selected by ``mask`` (default: matrices, see
+:func:`fisher_optax.routing.default_mask`) and ``fallback`` (default
+``optax.adam(learning_rate)``) to the others. Defaults are the paper's 130M
+settings (App. "Experiment details").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import optax
+
+from fisher_optax import routing
+from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
+                                 on_coefficients, project_back, scale_by_bias_correction,
+                                 scale_by_moments, scale_by_two_sided, svd_refresh, switch)
+
+
+def _finish(structured: list, learning_rate, mask, dims, fallback):
+  structured = optax.chain(*structured, optax.scale_by_learning_rate(learning_rate))
+  fallback = fallback if fallback is not None else optax.adam(learning_rate)
+  return routing.route(structured, mask=mask, dims=dims, fallback=fallback)
+
+
+def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
+         iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
+         mask: Any = None, dims: routing.DimsSpec = None,
+         fallback: Optional[optax.GradientTransformation] = None
+         ) -> optax.GradientTransformationExtraArgs:
+  """RACS (paper Sec. 4, Alg. "RACS"): ``W <- W - lr * alpha * eta * Q^-1/2 G S^-1/2``.
+
+  Chain: :func:`scale_by_two_sided` -> :func:`norm_growth_limiter` ->
+  ``scale(alpha)`` -> ``scale_by_learning_rate``. ``limiter=None`` drops the limiter.
+  State per matrix: ``m + n + 1`` numbers.
+  """
+  blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=dims)]
+  if limiter is not None:
+    blocks.append(norm_growth_limiter(limiter, dims=dims))
+  blocks.append(optax.scale(alpha))
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter, eps, seed,
+                 dims, state_dtype):
+  routing.check_int("rank", rank, low=1)
+  routing.check_int("leading", leading, low=0, high=rank)
+  return [
+      low_rank_track(rank=rank, interval=interval, tracking=b3,
+                     refresh=switch(leading=leading, seed=seed), dims=dims,
+                     state_dtype=state_dtype),
+      on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype), rank=rank, dims=dims),
+      compensate(method="optimal", weight=alpha_c, b1=b1, limiter=limiter, dims=dims),
+      optax.scale(alpha),
+  ]
+
+
+def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
+          interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
+          b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
+          eps: float = 1e-8, seed: int = 0, mask: Any = None, dims: routing.DimsSpec = None,
+          fallback: Optional[optax.GradientTransformation] = None,
+          state_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """Alice (paper Sec. 5.4, Alg. "Alice"): ``W <- W - lr * alpha * (U omega + alpha_c C)``.
+
+  Chain: :func:`low_rank_track` (tracking ``b3``, refresh :func:`switch` with
+  ``leading``) -> :func:`on_coefficients` (:func:`scale_by_moments` ``b1, b2``,
+  no bias correction) -> :func:`compensate` (optimal, ``alpha_c``, decay ``b1``,
+  limiter) -> ``scale(alpha)`` -> ``scale_by_learning_rate``.
+  State per ``m x n`` matrix (``m <= n``): ``mr + r^2 + 2nr + n + 1``.
+  """
+  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
+                              alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
+                              seed=seed, dims=dims, state_dtype=state_dtype),
+                 learning_rate, mask, dims, fallback)
+
+
+def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
+           interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
+           b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
+           mask: Any = None, dims: routing.DimsSpec = None,
+           fallback: Optional[optax.GradientTransformation] = None,
+           state_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """Alice-0: :func:`alice` with ``b3 = 0`` (no ``r x r`` tracking state).
+
+  State per matrix: ``mr + 2nr + n + 1``.
+  """
+  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
+                              alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
+                              seed=seed, dims=dims, state_dtype=state_dtype),
+                 learning_rate, mask, dims, fallback)
+
+
+def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
+  return [
+      low_rank_track(rank=rank, interval=interval, refresh=svd_refresh(), dims=dims,
+                     state_dtype=state_dtype),
+      on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype), rank=rank, dims=dims),
+  ]
+
+
+def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
+           scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+           mask: Any = None, dims: routing.DimsSpec = None,
+           fallback: Optional[optax.GradientTransformation] = None,
+           state_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """GaLore (paper App. Alg. "GaLore"), as its release behaves.
+
+  ``U`` = top-``r`` left singular vectors of ``G`` every ``interval`` steps; Adam on
+  ``sigma = U^T G``; ``W <- W - lr * c_t * scale * U (M / (sqrt(V) + eps))`` with the
+  release's step-size bias correction ``c_t = sqrt(1 - b2^t) / (1 - b1^t)``.
+  The smaller side is projected (the release's "std" mode). ``eps`` defaults to
+  the release's 1e-6. State per matrix: ``mr + 2nr``.
+  """
+  blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
+      project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
+         scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         limiter: Optional[float] = 1.01, mask: Any = None, dims: routing.DimsSpec = None,
+         fallback: Optional[optax.GradientTransformation] = None,
+         state_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """Fira: GaLore plus Fira's norm-based scaled residual and 1.01 limiter (its release).
+
+  ``W <- W - lr * c_t * (scale * U omega + eta * (G - scale * U sigma) diag(phi))`` with
+  ``phi_j = ||omega_j|| / ||sigma_j||`` (see :func:`compensate`, ``method="fira"``).
+  State per matrix: ``mr + 2nr + 1``.
+  """
+  blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
+      compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
+      scale_by_bias_correction(b1, b2)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)

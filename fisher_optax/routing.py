@@ -1,0 +1,273 @@
+"""Parameter routing: which leaves are matrices, how they are laid out, and masks.
+
+SPEC.md ("Notation"): a matrix parameter ``W`` and its gradient ``G`` are ``m x n``.
+Leaves with more than two dimensions are *stacks* of independent matrices: by
+default every axis but the last two is a batch axis (scanned layers
+``[layers, m, n]``), each slice with its own optimizer state. :class:`MatrixDims`
+chooses other axes (as ``optax.contrib.muon``'s dimension numbers do).
+
+Every structured block works on a *canonical view* of a leaf: an array of shape
+``batch + (m, n)``. One-sided and low-rank blocks ask for ``smaller_first=True``,
+which transposes tall matrices so that ``m <= n`` (the paper assumes ``m <= n``;
+SPEC.md: "for m > n apply the same math to the transpose").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixDims:
+  """Which axes of a leaf are the matrix rows and columns.
+
+  Attributes:
+    rows: axis of the rows (``m``); negative values count from the end.
+    cols: axis of the columns (``n``).
+
+  All other axes are batch axes: each index into them is an independent matrix.
+  """
+
+  rows: int = -2
+  cols: int = -1
+
+
+DimsSpec = Union[None, MatrixDims, Any, Callable[[Any], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixView:
+  """Static description of how a leaf maps to its canonical ``batch + (m, n)`` form."""
+
+  shape: tuple[int, ...]
+  rows: int
+  cols: int
+  transpose: bool
+
+  @property
+  def batch_axes(self) -> tuple[int, ...]:
+    return tuple(a for a in range(len(self.shape)) if a not in (self.rows, self.cols))
+
+  @property
+  def batch_shape(self) -> tuple[int, ...]:
+    return tuple(self.shape[a] for a in self.batch_axes)
+
+  @property
+  def num_matrices(self) -> int:
+    return math.prod(self.batch_shape)
+
+  @property
+  def m(self) -> int:
+    """Rows of the canonical matrix (the smaller side when ``transpose`` was asked)."""
+    r, c = self.shape[self.rows], self.shape[self.cols]
+    return c if self.transpose else r
+
+  @property
+  def n(self) -> int:
+    r, c = self.shape[self.rows], self.shape[self.cols]
+    return r if self.transpose else c
+
+  def _perm(self) -> tuple[int, ...]:
+    last = (self.cols, self.rows) if self.transpose else (self.rows, self.cols)
+    return self.batch_axes + last
+
+  def to_canonical(self, x: jax.Array) -> jax.Array:
+    """Leaf layout -> ``batch + (m, n)``."""
+    return jnp.transpose(x, self._perm())
+
+  def from_canonical(self, x: jax.Array) -> jax.Array:
+    """``batch + (m, n)`` -> leaf layout (inverse of :meth:`to_canonical`)."""
+    perm = self._perm()
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+      inv[p] = i
+    return jnp.transpose(x, inv)
+
+
+def is_matrix_shape(shape: Sequence[int], dims: Optional[MatrixDims] = None) -> bool:
+  """True when ``shape`` has matrix axes ``dims`` with both sizes > 1 (SPEC default mask)."""
+  dims = dims or MatrixDims()
+  if len(shape) < 2:
+    return False
+  try:
+    r, c = _normalize_axes(len(shape), dims)
+  except ValueError:
+    return False
+  return shape[r] > 1 and shape[c] > 1
+
+
+def _normalize_axes(ndim: int, dims: MatrixDims) -> tuple[int, int]:
+  r, c = dims.rows, dims.cols
+  if not (-ndim <= r < ndim and -ndim <= c < ndim):
+    raise ValueError(f"MatrixDims{(r, c)} out of range for a leaf with {ndim} dims")
+  r, c = r % ndim, c % ndim
+  if r == c:
+    raise ValueError(f"MatrixDims rows and cols must differ, got {dims}")
+  return r, c
+
+
+def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
+                smaller_first: bool = False, what: str = "this block") -> MatrixView:
+  """Builds the :class:`MatrixView` of a leaf, or raises a clear ``ValueError``.
+
+  Args:
+    shape: the leaf's shape.
+    dims: its matrix axes (default: the last two).
+    smaller_first: transpose tall matrices so the canonical ``m <= n``.
+    what: name used in the error message.
+  """
+  shape = tuple(int(s) for s in shape)
+  if len(shape) < 2:
+    raise ValueError(
+        f"{what} works on matrices (ndim >= 2) but got a leaf of shape {shape}. "
+        "Route vectors and scalars elsewhere with `mask=` (the named optimizers "
+        "send them to Adam by default).")
+  r, c = _normalize_axes(len(shape), dims or MatrixDims())
+  transpose = smaller_first and shape[r] > shape[c]
+  return MatrixView(shape=shape, rows=r, cols=c, transpose=transpose)
+
+
+def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
+  """Returns a tree (structure of ``tree``) of :class:`MatrixDims` or ``None`` leaves."""
+  if dims is None or isinstance(dims, MatrixDims):
+    d = dims or MatrixDims()
+    return jax.tree.map(lambda _: d, tree)
+  if callable(dims):
+    dims = dims(tree)
+  return jax.tree.map(lambda _, d: d or MatrixDims(), tree, dims,
+                      is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
+
+
+def views_like(tree: Any, dims: DimsSpec, *, smaller_first: bool, what: str) -> Any:
+  """A tree of :class:`MatrixView` (as static python objects) for every array leaf."""
+  dims_tree = resolve_dims(dims, tree)
+  return jax.tree.map(
+      lambda x, d: matrix_view(x.shape, d, smaller_first=smaller_first, what=what),
+      tree, dims_tree)
+
+
+def vmap_batch(fn: Callable[..., Any], nbatch: int) -> Callable[..., Any]:
+  """Maps ``fn`` (written for one matrix) over ``nbatch`` leading batch axes."""
+  for _ in range(nbatch):
+    fn = jax.vmap(fn)
+  return fn
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def path_to_str(path: Sequence[Any]) -> str:
+  """``('layers', 0, 'attn', 'kernel')``-like key path -> ``'layers/0/attn/kernel'``."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def default_mask(params: Any, dims: DimsSpec = None) -> Any:
+  """SPEC default: every leaf with ndim >= 2 whose two matrix dims are both > 1."""
+  dims_tree = resolve_dims(dims, params)
+  return jax.tree.map(lambda p, d: is_matrix_shape(jnp.shape(p), d), params, dims_tree)
+
+
+def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] = None,
+              dims: DimsSpec = None) -> Callable[[Any], Any]:
+  """Mask from parameter-path regular expressions, for the named optimizers' ``mask=``.
+
+  A leaf is selected (gets the structured rule) when it is a matrix (see
+  :func:`default_mask`), its ``/``-joined path matches one of ``include`` (if
+  given), and it matches none of ``exclude``. Example: send embeddings and the
+  output layer to Adam in one line::
+
+    fo.alice(1e-2, mask=fo.path_mask(exclude=["embed", "lm_head"]))
+  """
+  inc = [re.compile(p) for p in include] if include is not None else None
+  exc = [re.compile(p) for p in exclude]
+
+  def mask_fn(params):
+    base = default_mask(params, dims)
+
+    def pick(path, sel):
+      s = path_to_str(path)
+      if inc is not None and not any(p.search(s) for p in inc):
+        return False
+      return bool(sel) and not any(p.search(s) for p in exc)
+
+    return jax.tree_util.tree_map_with_path(pick, base)
+
+  return mask_fn
+
+
+def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
+  if mask is None:
+    return default_mask(params, dims)
+  if callable(mask):
+    return mask(params)
+  return mask
+
+
+def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec,
+          fallback: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """Structured rule on the leaves selected by ``mask``, ``fallback`` on the rest.
+
+  Built on ``optax.partition``; the label of a leaf is ``"structured"`` or
+  ``"fallback"``.
+  """
+
+  def labels(params):
+    sel = resolve_mask(mask, params, dims)
+    return jax.tree.map(lambda s: "structured" if s else "fallback", sel)
+
+  return optax.partition({"structured": structured, "fallback": fallback}, labels)
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_int(name: str, value: Any, *, low: int, high: Optional[int] = None,
+              allow_none: bool = False) -> None:
+  """Raises ``ValueError`` naming ``name`` unless ``low <= value (<= high)``."""
+  if value is None and allow_none:
+    return
+  if not _is_concrete(value):
+    return
+  rng = f"[{low}, {high}]" if high is not None else f">= {low}"
+  if isinstance(value, bool) or int(value) != value:
+    raise ValueError(f"`{name}` must be an integer {rng}, got {value!r}")
+  if value < low or (high is not None and value > high):
+    raise ValueError(f"`{name}` must be an integer {rng}, got {value!r}")
+
+
+def check_range(name: str, value: Any, *, low: float, high: float,
+                low_open: bool = False, high_open: bool = True,
+                allow_none: bool = False) -> None:
+  """Raises ``ValueError`` naming ``name`` unless ``value`` lies in the interval.
+
+  Traced values (e.g. inside ``optax.inject_hyperparams``) are not checked.
+  """
+  if value is None and allow_none:
+    return
+  if callable(value) or not _is_concrete(value):
+    return
+  v = float(value)
+  lo_ok = v > low if low_open else v >= low
+  hi_ok = v < high if high_open else v <= high
+  if not (lo_ok and hi_ok) or math.isnan(v):
+    interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
+    raise ValueError(f"`{name}` must lie in {interval}, got {value!r}")
