@@ -19,6 +19,14 @@ from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 
 
+def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
+  """``optax.inject_hyperparams`` for a named optimizer, with its shape-fixing
+  arguments (``factory.static_args``: rank, leading, iters) marked static."""
+  static = tuple(set(static_args) | set(getattr(factory, "static_args", ())))
+  return optax.inject_hyperparams(factory, static_args=static,
+                                  hyperparam_dtype=hyperparam_dtype)
+
+
 def _finish(structured: list, learning_rate, mask, dims, fallback):
   structured = optax.chain(*structured, optax.scale_by_learning_rate(learning_rate))
   fallback = fallback if fallback is not None else optax.adam(learning_rate)
@@ -134,3 +142,10 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
       compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
       scale_by_bias_correction(b1, b2)]
   return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+racs.static_args = ("iters",)
+alice.static_args = ("rank", "leading")
+alice0.static_args = ("rank", "leading")
+galore.static_args = ("rank",)
+fira.static_args = ("rank",)

@@ -240,6 +240,23 @@ def _is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def static_int(name: str, value: Any) -> Optional[int]:
+  """``value`` as a Python int (it fixes array shapes or a loop length).
+
+  Raises a clear ``ValueError`` when it is traced, e.g. because
+  ``optax.inject_hyperparams`` was not told it is static (use
+  :func:`fisher_optax.inject_hyperparams`, which is).
+  """
+  if value is None:
+    return None
+  if not _is_concrete(value):
+    raise ValueError(
+        f"`{name}` determines array shapes and must be static; with "
+        f"optax.inject_hyperparams pass static_args=('{name}', ...) or use "
+        "fisher_optax.inject_hyperparams, which does it for you.")
+  return int(value)
+
+
 def check_int(name: str, value: Any, *, low: int, high: Optional[int] = None,
               allow_none: bool = False) -> None:
   """Raises ``ValueError`` naming ``name`` unless ``low <= value (<= high)``."""

@@ -100,6 +100,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
       decompositions run in float32 regardless).
   """
   routing.check_int("rank", rank, low=1)
+  rank = routing.static_int("rank", rank)
   routing.check_int("interval", interval, low=1)
   routing.check_range("tracking", tracking, low=0.0, high=1.0)
   policy = refresh if refresh is not None else switching_lib.switch()
@@ -184,6 +185,7 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
   :func:`low_rank_track` (they define the coefficient shapes at ``init``).
   """
   routing.check_int("rank", rank, low=1)
+  rank = routing.static_int("rank", rank)
   what = "on_coefficients"
 
   def _coeff_like(params):

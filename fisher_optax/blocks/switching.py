@@ -123,7 +123,8 @@ def switch(*, leading: Optional[int] = None, seed: int = 0, iters: int = 1) -> S
   """
   routing.check_int("leading", leading, low=0, allow_none=True)
   routing.check_int("iters", iters, low=1)
-  return Switch(leading=leading, seed=int(seed), iters=int(iters))
+  return Switch(leading=routing.static_int("leading", leading), seed=seed,
+                iters=routing.static_int("iters", iters))
 
 
 def svd_refresh() -> SvdRefresh:

@@ -88,6 +88,7 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
   """
   routing.check_range("beta", beta, low=0.0, high=1.0)
   routing.check_int("iters", iters, low=1)
+  iters = routing.static_int("iters", iters)
   routing.check_range("eps", eps, low=0.0, high=1.0)
   what = "scale_by_two_sided (RACS)"
 

@@ -1,0 +1,182 @@
+"""Dense float64 numpy re-derivations of the paper's algorithms, one matrix at a time.
+
+Written from the paper's listings (and SPEC.md's decisions), not from the library:
+reconstructed states are built explicitly (``Q`` as an m x m matrix, the
+compensation statistic as ``colsum(G^2) - colsum(sigma^2)``), so agreement with
+the jitted float32 library checks the library's algebraic shortcuts too.
+
+Conventions shared with the library by SPEC.md decision (not shortcuts): steps
+count from 1, refresh when (t - 1) % K == 0; eigen/singular vectors have their
+largest-magnitude entry positive; tall matrices use the transpose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def canon(v):
+  idx = np.argmax(np.abs(v), axis=0)
+  s = np.sign(v[idx, np.arange(v.shape[1])])
+  s[s == 0] = 1
+  return v * s
+
+
+def eig_desc(a):
+  w, v = np.linalg.eigh(0.5 * (a + a.T))
+  return w[::-1], canon(v[:, ::-1])
+
+
+def limiter(norm, phi, gamma):
+  eta = 1.0 if phi == 0 else gamma / max(norm / phi, gamma)
+  return eta, eta * norm
+
+
+class RacsRef:
+  """Paper Alg. "RACS"."""
+
+  def __init__(self, m, n, *, lr, beta=0.9, alpha=0.05, iters=5, gamma=1.01, eps=1e-8):
+    self.s, self.q, self.phi = np.zeros(n), np.zeros(m), 0.0
+    self.kw = dict(lr=lr, beta=beta, alpha=alpha, iters=iters, gamma=gamma, eps=eps)
+
+  def step(self, g):
+    k = self.kw
+    g = np.asarray(g, np.float64)
+    p = g * g
+    q = np.ones(g.shape[0])
+    for _ in range(k["iters"]):
+      s = p.T @ q / (q @ q)
+      q = p @ s / (s @ s)
+    self.s = k["beta"] * self.s + (1 - k["beta"]) * s
+    self.q = k["beta"] * self.q + (1 - k["beta"]) * q
+    ss = np.maximum(self.s, k["eps"] * self.s.max())
+    qq = np.maximum(self.q, k["eps"] * self.q.max())
+    gt = g / np.sqrt(qq)[:, None] / np.sqrt(ss)[None, :]
+    eta, self.phi = limiter(np.linalg.norm(gt), self.phi, k["gamma"])
+    return -k["lr"] * k["alpha"] * eta * gt
+
+
+class _Transposing:
+  """Applies a wide-matrix (m <= n) reference to the transpose of tall gradients."""
+
+  def __init__(self, cls, m, n, **kw):
+    self.t = m > n
+    self.inner = cls(*(sorted((m, n))), **kw)
+
+  def step(self, g, **kw):
+    g = np.asarray(g, np.float64)
+    if self.t:
+      return self.inner.step(g.T, **kw).T
+    return self.inner.step(g, **kw)
+
+
+class AliceRef:
+  """Paper Alg. "Alice" with Alg. "Subspace switching", "Subspace iteration", "Compensation".
+
+  ``pick(t, num_complement, k)`` returns the sampled complement indices of the
+  refresh at step ``t`` (the random draw is the library's; everything else is here).
+  """
+
+  def __init__(self, m, n, *, lr, rank, leading, interval, alpha=0.3, alpha_c=0.4, b1=0.9,
+               b2=0.9, b3=0.999, gamma=1.01, eps=1e-8):
+    assert m <= n
+    self.r = min(rank, m)
+    self.l = min(leading, self.r) if leading is not None else self.r
+    self.m, self.n = m, n
+    self.U = np.zeros((m, self.r))
+    self.Qt = np.zeros((self.r, self.r))
+    self.M = np.zeros((self.r, n))
+    self.V = np.zeros((self.r, n))
+    self.p = np.zeros(n)
+    self.phi = 0.0
+    self.t = 0
+    self.kw = dict(lr=lr, interval=interval, alpha=alpha, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
+                   gamma=gamma, eps=eps)
+
+  def _switch(self, Q, pick):
+    m, r, l = self.m, self.r, self.l
+    U1, _ = np.linalg.qr(Q @ self.U)
+    _, v = eig_desc(U1.T @ Q @ U1)
+    ritz = U1 @ v
+    kc = min(r - l, m - r)
+    cols = [ritz[:, : r - kc]]
+    if kc > 0:
+      full, _ = np.linalg.qr(U1, mode="complete")
+      comp = full[:, r:]
+      cols.append(comp[:, pick(self.t, m - r, kc)])
+    return canon(np.concatenate(cols, axis=1))
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    t, r, m = self.t, self.r, self.m
+    b1, b2, b3 = k["b1"], k["b2"], k["b3"]
+    if (t - 1) % k["interval"] == 0:
+      if t == 1:
+        U = eig_desc(g @ g.T)[1][:, :r]
+      else:
+        Q = b3 * self.U @ self.Qt @ self.U.T + (1 - b3) * g @ g.T
+        U = self._switch(Q, pick)
+      self.Qt = U.T @ (self.U @ self.Qt @ self.U.T) @ U
+      self.U = U
+    U = self.U
+    sigma = U.T @ g
+    self.Qt = b3 * self.Qt + (1 - b3) * sigma @ sigma.T
+    self.M = b1 * self.M + (1 - b1) * sigma
+    self.V = b2 * self.V + (1 - b2) * sigma ** 2
+    omega = self.M / (np.sqrt(self.V) + k["eps"])
+    self.p = b1 * self.p + (1 - b1) * ((g ** 2).sum(0) - (sigma ** 2).sum(0))
+    self.p = np.maximum(self.p, 1e-300)
+    C = np.sqrt(m - r) * (g - U @ sigma) / np.sqrt(self.p)[None, :]
+    eta, self.phi = limiter(np.linalg.norm(C), self.phi, k["gamma"])
+    return -k["lr"] * k["alpha"] * (U @ omega + k["alpha_c"] * eta * C)
+
+
+class GaloreRef:
+  """GaLore release (paper App. Alg. "GaLore"); ``fira=True`` adds Fira's compensation."""
+
+  def __init__(self, m, n, *, lr, rank, interval, scale=0.3, b1=0.9, b2=0.999, eps=1e-6,
+               gamma=1.01, fira=False):
+    assert m <= n
+    self.r = min(rank, m)
+    self.U = None
+    self.M = np.zeros((self.r, n))
+    self.V = np.zeros((self.r, n))
+    self.phi = 0.0
+    self.t = 0
+    self.fira = fira
+    self.kw = dict(lr=lr, interval=interval, scale=scale, b1=b1, b2=b2, eps=eps, gamma=gamma)
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    t = self.t
+    if (t - 1) % k["interval"] == 0:
+      u, _, _ = np.linalg.svd(g, full_matrices=False)
+      self.U = canon(u[:, : self.r])
+    U = self.U
+    sigma = U.T @ g
+    self.M = k["b1"] * self.M + (1 - k["b1"]) * sigma
+    self.V = k["b2"] * self.V + (1 - k["b2"]) * sigma ** 2
+    omega = self.M / (np.sqrt(self.V) + k["eps"])
+    step = k["lr"] * np.sqrt(1 - k["b2"] ** t) / (1 - k["b1"] ** t)
+    upd = k["scale"] * U @ omega
+    if self.fira:
+      factor = np.linalg.norm(omega, axis=0) / (np.linalg.norm(sigma, axis=0) + 1e-8)
+      S = (g - k["scale"] * U @ sigma) * factor[None, :]
+      eta, self.phi = limiter(np.linalg.norm(S), self.phi, k["gamma"])
+      upd = upd + eta * S
+    return -step * upd
+
+
+def make(name, m, n, **kw):
+  """Reference for one matrix of shape (m, n) (either orientation)."""
+  if name == "racs":
+    return RacsRef(m, n, **kw)
+  if name in ("alice", "alice0"):
+    if name == "alice0":
+      kw["b3"] = 0.0
+    return _Transposing(AliceRef, m, n, **kw)
+  if name in ("galore", "fira"):
+    return _Transposing(GaloreRef, m, n, fira=(name == "fira"), **kw)
+  raise ValueError(name)

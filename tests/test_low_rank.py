@@ -1,0 +1,110 @@
+"""low_rank_track / on_coefficients / project_back (paper Sec. 5.1)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fisher_optax as fo
+
+
+def _grads(shape, k, seed=0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(k)]
+
+
+def test_tracking_is_ema_of_projected_outer_products():
+  tx = fo.low_rank_track(rank=3, interval=100, tracking=0.9)
+  p = {"w": jnp.zeros((6, 9))}
+  s = tx.init(p)
+  q = np.zeros((3, 3))
+  for g in _grads((6, 9), 4):
+    out, s = tx.update({"w": g}, s)
+    sig = np.asarray(out["w"].sigma, np.float64)
+    q = 0.9 * q + 0.1 * sig @ sig.T
+    np.testing.assert_allclose(np.asarray(out["w"].basis).T @ np.asarray(g), sig, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(s.tracked["w"]), q, rtol=1e-5)
+
+
+def test_alice0_stores_no_rxr_state_and_alice_does():
+  p = {"w": jnp.zeros((8, 12))}
+  s0 = fo.alice0(0.01, rank=4, leading=2).init(p)
+  s1 = fo.alice(0.01, rank=4, leading=2).init(p)
+  shapes0 = [x.shape for x in jax.tree.leaves(s0)]
+  shapes1 = [x.shape for x in jax.tree.leaves(s1)]
+  assert (4, 4) not in shapes0
+  assert (4, 4) in shapes1
+
+
+@pytest.mark.parametrize("shape,basis,coeff", [((6, 10), (6, 3), (3, 10)),
+                                               ((10, 6), (6, 3), (3, 10)),
+                                               ((2, 10, 6), (2, 6, 3), (2, 3, 10)),
+                                               ((2, 3), (2, 2), (2, 3))])
+def test_smaller_side_projected_and_rank_clipped(shape, basis, coeff):
+  tx = fo.low_rank_track(rank=3)
+  s = tx.init({"w": jnp.zeros(shape)})
+  assert s.basis["w"].shape == basis
+  out, s = tx.update({"w": jnp.ones(shape)}, s)
+  assert out["w"].coeffs.shape == coeff
+
+
+def test_matrix_dims_choose_other_axes():
+  """A [m, layers, n] leaf with rows=0, cols=2: the batch axis is 1."""
+  dims = fo.MatrixDims(rows=0, cols=2)
+  tx = optax.chain(fo.low_rank_track(rank=2, dims=dims),
+                   fo.on_coefficients(optax.identity(), rank=2, dims=dims), fo.project_back())
+  g = _grads((5, 3, 7), 1)[0]
+  s = tx.init({"w": g})
+  assert s[0].basis["w"].shape == (3, 5, 2)
+  out, _ = tx.update({"w": g}, s)
+  assert out["w"].shape == (5, 3, 7)
+  # each slice g[:, b, :] is projected on its own top-2 left singular space
+  for b in range(3):
+    gb = np.asarray(g[:, b, :], np.float64)
+    u, _, _ = np.linalg.svd(gb)
+    expect = u[:, :2] @ u[:, :2].T @ gb
+    np.testing.assert_allclose(np.asarray(out["w"][:, b, :]), expect, atol=1e-4)
+
+
+def test_project_back_with_identity_is_projection():
+  tx = optax.chain(fo.low_rank_track(rank=2, refresh=fo.svd_refresh()),
+                   fo.on_coefficients(optax.identity(), rank=2), fo.project_back())
+  g = _grads((4, 6), 1)[0]
+  out, _ = tx.update({"w": g}, tx.init({"w": g}))
+  u, _, _ = np.linalg.svd(np.asarray(g, np.float64))
+  np.testing.assert_allclose(np.asarray(out["w"]), u[:, :2] @ u[:, :2].T @ np.asarray(g), atol=1e-5)
+
+
+def test_rank_mismatch_between_blocks_is_a_clear_error():
+  tx = optax.chain(fo.low_rank_track(rank=2), fo.on_coefficients(optax.identity(), rank=3),
+                   fo.project_back())
+  p = {"w": jnp.zeros((5, 8))}
+  s = tx.init(p)
+  with pytest.raises(ValueError, match="same `rank`"):
+    tx.update({"w": jnp.ones((5, 8))}, s)
+
+
+@pytest.mark.parametrize("kw,arg", [(dict(rank=0), "rank"), (dict(rank=2, interval=0), "interval"),
+                                    (dict(rank=2, tracking=1.0), "tracking")])
+def test_invalid_settings(kw, arg):
+  with pytest.raises(ValueError, match=arg):
+    fo.low_rank_track(**kw)
+
+
+def test_vector_leaf_is_a_clear_error():
+  with pytest.raises(ValueError, match="matrices"):
+    fo.low_rank_track(rank=2).init({"b": jnp.zeros(4)})
+  with pytest.raises(ValueError, match="matrices"):
+    fo.alice(0.01, rank=2, leading=1, mask={"b": True}).init({"b": jnp.zeros(4)})
+
+
+def test_nan_refresh_keeps_previous_basis():
+  tx = fo.low_rank_track(rank=2, interval=1)
+  p = {"w": jnp.zeros((4, 6))}
+  s = tx.init(p)
+  g = _grads((4, 6), 1)[0]
+  _, s = tx.update({"w": g}, s)
+  before = np.asarray(s.basis["w"])
+  _, s = tx.update({"w": g.at[0, 0].set(jnp.nan)}, s)
+  np.testing.assert_array_equal(np.asarray(s.basis["w"]), before)

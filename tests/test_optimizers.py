@@ -1,0 +1,317 @@
+"""Named optimizers against dense float64 re-derivations, and their optax integration."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fisher_optax as fo
+from fisher_optax.blocks import switching
+from tests import reference
+from tests.conftest import structured_grads
+
+LR = 0.01
+SHAPES = [(6, 10), (10, 6), (3, 6, 10)]
+
+CONFIGS = {
+    "racs": dict(lib=dict(), ref=dict()),
+    "alice": dict(lib=dict(rank=3, leading=1, interval=3),
+                  ref=dict(rank=3, leading=1, interval=3)),
+    "alice0": dict(lib=dict(rank=3, leading=1, interval=3),
+                   ref=dict(rank=3, leading=1, interval=3)),
+    "galore": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
+    "fira": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
+}
+
+
+def _picker(shape, b, seed=0, leaf_index=0):
+  """The library's random complement draw for slice ``b`` (the only shared piece)."""
+  batch = tuple(shape[:-2])
+
+  def pick(t, num_complement, k):
+    keys = switching.refresh_keys(jax.random.PRNGKey(seed), leaf_index, jnp.int32(t - 1), batch)
+    key = keys.reshape((-1,) + keys.shape[len(batch):])[b]
+    return np.asarray(switching.complement_indices(key, num_complement, k))
+
+  return pick
+
+
+def run_library(name, shape, grads, **kw):
+  opt = getattr(fo, name)(LR, **kw)
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  outs = []
+  for g in grads:
+    u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
+    outs.append(np.asarray(u["w"], np.float64))
+  return outs
+
+
+def run_reference(name, shape, grads, **kw):
+  *batch, m, n = shape
+  nb = int(np.prod(batch)) if batch else 1
+  refs = [reference.make(name, m, n, lr=LR, **kw) for _ in range(nb)]
+  outs = []
+  for g in grads:
+    g = np.asarray(g, np.float32).astype(np.float64).reshape((nb, m, n))
+    steps = []
+    for b, ref in enumerate(refs):
+      kwargs = {} if name == "racs" else {"pick": _picker(shape, b)}
+      steps.append(ref.step(g[b], **kwargs))
+    outs.append(np.stack(steps).reshape(shape))
+  return outs
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_dense_float64_reference(name, shape):
+  """7 steps, interval 3: refreshes at t = 1, 4, 7; m < n, m > n and a stack."""
+  grads = structured_grads(shape, 7, seed=1)
+  lib = run_library(name, shape, grads, **CONFIGS[name]["lib"])
+  ref = run_reference(name, shape, grads, **CONFIGS[name]["ref"])
+  for t, (a, b) in enumerate(zip(lib, ref), start=1):
+    err = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert err < 1e-4, f"{name} step {t}: relative error {err:.2e}"
+
+
+# ----------------------------------------------------------- optax.contrib.galore
+
+
+def _run_opt(opt, grads, shape):
+  params = {"w": jnp.zeros(shape)}
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  outs = []
+  for g in grads:
+    u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
+    outs.append(np.asarray(u["w"], np.float64))
+  return outs
+
+
+@pytest.mark.parametrize("b1,steps", [(0.9, 3), (0.0, 7)])
+def test_galore_equals_optax_contrib_galore_on_square_matrices(b1, steps):
+  """Same rank, interval, scale and Adam betas/eps: equal updates.
+
+  Differences, by design: (1) ``optax.contrib.galore`` projects the *larger* side of a
+  non-square matrix (``use_left = m >= n``) while the GaLore release and fo.galore
+  project the smaller one, so only square matrices are comparable; (2) fo fixes the
+  sign of singular vectors, contrib keeps LAPACK's, so with ``b1 > 0`` the first
+  moment carried across a re-projection differs -- we compare the first interval for
+  b1 = 0.9 and across two re-projections for b1 = 0 (sign-invariant); (3) eps enters as
+  in torch AdamW (``eps * sqrt(1 - b2^t)`` in optax terms): negligible here.
+  """
+  grads = structured_grads((8, 8), steps, seed=3)
+  kw = dict(rank=3, scale=0.25)
+  ours = _run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, **kw), grads, (8, 8))
+  theirs = _run_opt(optax.contrib.galore(
+      LR, update_proj_gap=3, base_optimizer=optax.scale_by_adam(b1=b1, b2=0.99, eps=1e-8), **kw),
+      grads, (8, 8))
+  for t, (a, b) in enumerate(zip(ours, theirs), start=1):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7, err_msg=f"step {t}")
+
+
+def test_galore_projects_smaller_side_unlike_optax_contrib():
+  p = {"w": jnp.zeros((6, 20))}
+  ours = optax.tree_utils.tree_get(fo.galore(LR, rank=2).init(p), "basis")
+  theirs = optax.tree_utils.tree_get(optax.contrib.galore(LR, rank=2).init(p), "projector")
+  assert ours["w"].shape == (6, 2)      # release: basis on the smaller side, moments 2 x 20
+  assert theirs["w"].shape == (20, 2)   # contrib: basis on the larger side, moments 6 x 2
+
+
+# ------------------------------------------------------------------ state sizes
+
+
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 16, 40)], ids=str)
+def test_state_sizes_equal_paper_formulas(name, shape):
+  rank = 5
+  kw = {} if name == "racs" else dict(rank=rank)
+  if name.startswith("alice"):
+    kw["leading"] = 2
+  opt = getattr(fo, name)(LR, **kw)
+  state = jax.eval_shape(opt.init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
+  formula, extra = fo.paper_state_numbers(name, shape[-2], shape[-1], rank)
+  nmat = int(np.prod(shape[:-2]))
+  # array leaves larger than a scalar per matrix: counters (1 int each) and keys (2) excluded
+  arrays = [x for x in jax.tree.leaves(state) if x.size > 2]
+  per_matrix_scalars = [x for x in jax.tree.leaves(state) if x.shape == shape[:-2] and x.ndim]
+  total = sum(x.size for x in arrays if x.shape != shape[:-2])
+  # the fallback Adam state of a matrix-only tree is empty apart from counters
+  assert total == nmat * formula, (name, total, nmat * formula)
+  if nmat > 1:
+    assert sum(x.size for x in per_matrix_scalars) == nmat * extra
+  assert fo.state_bytes(state) == 4 * fo.state_numbers(state)  # float32 state, int32 counters
+
+
+# -------------------------------------------------------------- optax integration
+
+
+def _all_named(rank=3):
+  return {
+      "racs": fo.racs(LR),
+      "alice": fo.alice(LR, rank=rank, leading=1, interval=2),
+      "alice0": fo.alice0(LR, rank=rank, leading=1, interval=2),
+      "galore": fo.galore(LR, rank=rank, interval=2),
+      "fira": fo.fira(LR, rank=rank, interval=2),
+  }
+
+
+def _params():
+  return {"w": jnp.zeros((6, 10)), "stack": jnp.zeros((2, 8, 5)), "b": jnp.zeros((6,))}
+
+
+def _g(params, t):
+  return jax.tree.map(
+      lambda p: jax.random.normal(jax.random.PRNGKey(t), p.shape, jnp.float32).astype(p.dtype),
+      params)
+
+
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+def test_compiles_once_and_not_again_at_refresh(name):
+  opt = _all_named()[name]
+  params = _params()
+  traces = []
+
+  @jax.jit
+  def step(g, s):
+    traces.append(1)
+    return opt.update(g, s, params)
+
+  s = opt.init(params)
+  for t in range(6):  # refreshes at t = 1, 3, 5
+    u, s = step(_g(params, t), s)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+def test_chain_inject_hyperparams_multisteps_and_schedules(name):
+  params = _params()
+  kw = {"racs": {}, "alice": dict(rank=3, leading=1, interval=2),
+        "alice0": dict(rank=3, leading=1, interval=2), "galore": dict(rank=3, interval=2),
+        "fira": dict(rank=3, interval=2)}[name]
+  factory = getattr(fo, name)
+  sched = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10, LR * 0.1)
+  variants = [
+      optax.chain(optax.clip_by_global_norm(1.0), factory(sched, **kw)),
+      fo.inject_hyperparams(factory)(learning_rate=LR, **kw),
+      optax.MultiSteps(factory(LR, **kw), every_k_schedule=2),
+  ]
+  for opt in variants:
+    s = opt.init(params)
+    upd = jax.jit(opt.update)
+    for t in range(4):
+      u, s = upd(_g(params, t), s, params)
+      assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+  # inject_hyperparams: the learning rate can be changed in the state
+  opt = fo.inject_hyperparams(factory)(learning_rate=LR, **kw)
+  s = opt.init(params)
+  u1, _ = opt.update(_g(params, 0), s, params)
+  s.hyperparams["learning_rate"] = jnp.asarray(2 * LR)
+  u2, _ = opt.update(_g(params, 0), s, params)
+  np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+def test_bf16_params_get_bf16_updates(name):
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
+  opt = _all_named()[name]
+  s = opt.init(params)
+  for t in range(3):
+    u, s = jax.jit(opt.update)(_g(params, t), s, params)
+  for x in jax.tree.leaves(u):
+    assert x.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(x, np.float32)).all()
+
+
+def test_plain_inject_hyperparams_names_the_static_argument():
+  opt = optax.inject_hyperparams(fo.galore)(learning_rate=LR, rank=2)
+  params = {"w": jnp.zeros((4, 6))}
+  s = opt.init(params)
+  with pytest.raises(ValueError, match="`rank` determines array shapes"):
+    jax.jit(opt.update)({"w": jnp.ones((4, 6))}, s, params)
+
+
+def test_routing_vectors_to_adam_and_path_mask():
+  params = {"embed": jnp.zeros((12, 6)), "layer": {"kernel": jnp.zeros((6, 6))},
+            "bias": jnp.zeros((6,))}
+  opt = fo.racs(LR, mask=fo.path_mask(exclude=["embed"]))
+  s = opt.init(params)
+  g = _g(params, 0)
+  u, s = opt.update(g, s, params)
+  adam_u, _ = optax.adam(LR).update(g, optax.adam(LR).init(params), params)
+  np.testing.assert_allclose(u["embed"], adam_u["embed"], rtol=1e-6)
+  np.testing.assert_allclose(u["bias"], adam_u["bias"], rtol=1e-6)
+  assert not np.allclose(u["layer"]["kernel"], adam_u["layer"]["kernel"])
+  # custom fallback
+  opt = fo.racs(LR, fallback=optax.sgd(1.0))
+  u, _ = opt.update(g, opt.init(params), params)
+  np.testing.assert_allclose(u["bias"], -g["bias"])
+
+
+@pytest.mark.parametrize("factory,kw,arg", [
+    (fo.alice, dict(rank=0), "rank"),
+    (fo.alice, dict(rank=4, leading=5), "leading"),
+    (fo.alice, dict(interval=0), "interval"),
+    (fo.alice, dict(b1=1.0), "b1"),
+    (fo.alice, dict(b2=-0.5), "b2"),
+    (fo.alice, dict(b3=1.5), "tracking"),
+    (fo.alice, dict(limiter=-1.0), "limiter"),
+    (fo.alice0, dict(leading=300), "leading"),
+    (fo.galore, dict(rank=-1), "rank"),
+    (fo.fira, dict(limiter=0.0), "limiter"),
+    (fo.racs, dict(beta=1.0), "beta"),
+    (fo.racs, dict(limiter=-0.5), "threshold"),
+])
+def test_invalid_settings_raise_when_built(factory, kw, arg):
+  with pytest.raises(ValueError, match=arg):
+    factory(LR, **kw)
+
+
+# --------------------------------------------------------------------- ablations
+
+
+def ablation_rows(lr=LR, *, rank=3, leading=1, interval=2, alpha=0.3, alpha_c=0.4, b1=0.9,
+                  b2=0.9, b3=0.999):
+  """The paper's Table "Effectiveness of each component" as chains of blocks."""
+  moments = lambda: fo.on_coefficients(fo.scale_by_moments(b1, b2), rank=rank)
+  tail = [optax.scale(alpha), optax.scale_by_learning_rate(lr)]
+  return {
+      "projection only": optax.chain(
+          fo.low_rank_track(rank=rank, interval=interval), moments(), fo.project_back(), *tail),
+      "+ tracking": optax.chain(
+          fo.low_rank_track(rank=rank, interval=interval, tracking=b3), moments(),
+          fo.project_back(), *tail),
+      "+ tracking + switching": optax.chain(
+          fo.low_rank_track(rank=rank, interval=interval, tracking=b3,
+                            refresh=fo.switch(leading=leading)), moments(), fo.project_back(),
+          *tail),
+      "+ compensation (Alice)": optax.chain(
+          fo.low_rank_track(rank=rank, interval=interval, tracking=b3,
+                            refresh=fo.switch(leading=leading)), moments(),
+          fo.compensate(weight=alpha_c, b1=b1), *tail),
+  }
+
+
+def test_ablation_rows_run_and_last_row_is_alice():
+  params = {"w": jnp.zeros((8, 12))}
+  rows = ablation_rows()
+  outs = {}
+  for name, tx in rows.items():
+    s = tx.init(params)
+    for t in range(5):
+      u, s = jax.jit(tx.update)(_g(params, t), s, params)
+    outs[name] = np.asarray(u["w"])
+  alice = fo.alice(LR, rank=3, leading=1, interval=2)
+  s = alice.init(params)
+  for t in range(5):
+    u, s = jax.jit(alice.update)(_g(params, t), s, params)
+  np.testing.assert_allclose(outs["+ compensation (Alice)"], np.asarray(u["w"]), rtol=1e-5)
+  # every component changes the update
+  vals = list(outs.values())
+  for a, b in zip(vals, vals[1:]):
+    assert not np.allclose(a, b)

@@ -1,0 +1,49 @@
+"""Masks, path patterns and matrix views."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fisher_optax as fo
+from fisher_optax import routing
+
+
+def test_default_mask_selects_matrices_with_both_dims_above_one():
+  params = {"w": jnp.zeros((3, 4)), "col": jnp.zeros((5, 1)), "b": jnp.zeros(3),
+            "s": jnp.zeros(()), "stack": jnp.zeros((2, 3, 4))}
+  mask = fo.default_mask(params)
+  assert mask == {"w": True, "col": False, "b": False, "s": False, "stack": True}
+
+
+def test_path_mask_include_exclude():
+  params = {"embed": {"embedding": jnp.zeros((9, 4))},
+            "layers": {"attn": {"kernel": jnp.zeros((4, 4))}, "mlp": {"kernel": jnp.zeros((4, 8))}},
+            "lm_head": {"kernel": jnp.zeros((4, 9))}, "norm": jnp.zeros(4)}
+  m = fo.path_mask(exclude=["embed", "lm_head"])(params)
+  assert m["embed"]["embedding"] is False and m["lm_head"]["kernel"] is False
+  assert m["layers"]["attn"]["kernel"] is True and m["norm"] is False
+  m = fo.path_mask(include=[r"layers/mlp"])(params)
+  assert m["layers"]["mlp"]["kernel"] and not m["layers"]["attn"]["kernel"]
+
+
+@pytest.mark.parametrize("shape,dims,transpose,m,n,batch", [
+    ((4, 9), None, False, 4, 9, ()),
+    ((9, 4), None, True, 4, 9, ()),
+    ((2, 9, 4), None, True, 4, 9, (2,)),
+    ((9, 2, 4), fo.MatrixDims(rows=0, cols=2), True, 4, 9, (2,)),
+])
+def test_matrix_view_round_trip(shape, dims, transpose, m, n, batch):
+  v = routing.matrix_view(shape, dims, smaller_first=True)
+  assert (v.transpose, v.m, v.n, v.batch_shape) == (transpose, m, n, batch)
+  x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+  c = v.to_canonical(x)
+  assert c.shape == batch + (m, n)
+  np.testing.assert_array_equal(v.from_canonical(c), x)
+
+
+def test_bad_dims_are_clear_errors():
+  with pytest.raises(ValueError, match="must differ"):
+    routing.matrix_view((3, 4), fo.MatrixDims(rows=1, cols=-1))
+  with pytest.raises(ValueError, match="out of range"):
+    routing.matrix_view((3, 4), fo.MatrixDims(rows=0, cols=5))

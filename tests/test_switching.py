@@ -1,0 +1,102 @@
+"""Subspace switching (paper Alg. "Subspace switching", Prop. "Subspace switching")."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fisher_optax as fo
+from tests import reference
+
+M, N, R, L = 12, 20, 5, 2
+
+
+def _setup(seed=0):
+  rng = np.random.default_rng(seed)
+  g = rng.standard_normal((M, N)).astype(np.float32)
+  u_old, _ = np.linalg.qr(rng.standard_normal((M, R)))
+  a = rng.standard_normal((R, R))
+  q_old = (a @ a.T).astype(np.float32)
+  return g, u_old.astype(np.float32), q_old
+
+
+def _refresh(policy, key, b3=0.9, seed=0):
+  g, u_old, q_old = _setup(seed)
+  return np.asarray(policy.refresh(jnp.asarray(g), jnp.asarray(u_old), jnp.asarray(q_old), b3,
+                                   key), np.float64), (g, u_old, q_old)
+
+
+def _iteration_span_and_ritz(g, u_old, q_old, b3):
+  g, u_old, q_old = (x.astype(np.float64) for x in (g, u_old, q_old))
+  q = b3 * u_old @ q_old @ u_old.T + (1 - b3) * g @ g.T
+  u1, _ = np.linalg.qr(q @ u_old)
+  _, v = reference.eig_desc(u1.T @ q @ u1)
+  return u1, u1 @ v
+
+
+def test_orthonormal_leading_span_and_complement():
+  key = jax.random.PRNGKey(3)
+  u, (g, u_old, q_old) = _refresh(fo.switch(leading=L), key)
+  np.testing.assert_allclose(u.T @ u, np.eye(R), atol=1e-5)
+  u1, ritz = _iteration_span_and_ritz(g, u_old, q_old, 0.9)
+  # leading columns span the top-L Ritz vectors
+  proj = ritz[:, :L] @ ritz[:, :L].T
+  np.testing.assert_allclose(proj @ u[:, :L], u[:, :L], atol=1e-4)
+  # the other columns are orthogonal to the subspace-iteration span
+  np.testing.assert_allclose(u1.T @ u[:, L:], 0.0, atol=1e-5)
+
+
+def test_reproducible_from_seed_and_different_across_seeds():
+  a, _ = _refresh(fo.switch(leading=L), jax.random.PRNGKey(0))
+  b, _ = _refresh(fo.switch(leading=L), jax.random.PRNGKey(0))
+  c, _ = _refresh(fo.switch(leading=L), jax.random.PRNGKey(1))
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_allclose(a[:, :L], c[:, :L], atol=1e-6)
+  assert not np.allclose(a[:, L:], c[:, L:], atol=1e-3)
+
+
+def test_seed_changes_alice_run_and_is_replayable():
+  rng = np.random.default_rng(0)
+  grads = [jnp.asarray(rng.standard_normal((10, 16)), jnp.float32) for _ in range(5)]
+
+  def run(seed):
+    tx = fo.alice(0.01, rank=4, leading=1, interval=2, seed=seed)
+    p = {"w": jnp.zeros((10, 16))}
+    s = tx.init(p)
+    for g in grads:
+      u, s = jax.jit(tx.update)({"w": g}, s, p)
+    return np.asarray(u["w"])
+
+  np.testing.assert_array_equal(run(0), run(0))
+  assert not np.allclose(run(0), run(1))
+
+
+def test_no_switching_keeps_full_ritz_basis():
+  u, (g, u_old, q_old) = _refresh(fo.switch(leading=None), None)
+  _, ritz = _iteration_span_and_ritz(g, u_old, q_old, 0.9)
+  np.testing.assert_allclose(np.abs(u.T @ ritz), np.eye(R), atol=1e-4)
+
+
+def test_complement_too_small_fills_with_next_ritz_vectors():
+  """rank close to m: m - r < r - l, so the missing columns are the next Ritz vectors."""
+  rng = np.random.default_rng(5)
+  m, r, l = 6, 5, 1
+  g = rng.standard_normal((m, 9)).astype(np.float32)
+  u_old, _ = np.linalg.qr(rng.standard_normal((m, r)))
+  pol = fo.switch(leading=l)
+  u = np.asarray(pol.refresh(jnp.asarray(g), jnp.asarray(u_old, jnp.float32), None, 0.0,
+                             jax.random.PRNGKey(0)), np.float64)
+  q = g.astype(np.float64) @ g.T.astype(np.float64)
+  u1, _ = np.linalg.qr(q @ u_old)
+  _, v = reference.eig_desc(u1.T @ q @ u1)
+  ritz = u1 @ v
+  # 1 complement column available -> l + (r - l - 1) = 4 Ritz vectors, then 1 complement column
+  np.testing.assert_allclose(np.abs(np.sum(u[:, :4] * ritz[:, :4], 0)), 1.0, atol=1e-4)
+  np.testing.assert_allclose(u1.T @ u[:, 4], 0.0, atol=1e-5)
+
+
+def test_invalid_leading():
+  with pytest.raises(ValueError, match="leading"):
+    fo.switch(leading=-1)
+  with pytest.raises(ValueError, match="leading"):
+    fo.alice(0.01, rank=8, leading=9)
