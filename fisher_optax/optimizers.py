@@ -15,7 +15,7 @@ import optax
 
 from fisher_optax import routing
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
-                                 on_coefficients, project_back, scale_by_bias_correction,
+                                 on_coefficients, project_back, rotate, scale_by_bias_correction,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 
 
@@ -149,3 +149,69 @@ alice.static_args = ("rank", "leading")
 alice0.static_args = ("rank", "leading")
 galore.static_args = ("rank",)
 fira.static_args = ("rank",)
+
+
+# ------------------------------------------------------------------ rotation family
+
+
+def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1: float = 0.9,
+               b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
+               max_precond_dim: Optional[int] = 10000, mask: Any = None,
+               dims: routing.DimsSpec = None,
+               fallback: Optional[optax.GradientTransformation] = None
+               ) -> optax.GradientTransformationExtraArgs:
+  """Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, App. Alg.).
+
+  ``Q <- b3 Q + (1 - b3) G G^T``; ``U = eig(Q)`` (full, smaller side) when
+  ``(t - 1) mod interval == 0``; Adam moments of ``U^T G`` without bias correction,
+  the first moment re-expressed on a basis change (= kept in the original space);
+  ``W <- W - lr * U (M / (sqrt(V) + eps))``. Betas default to Alice's (its low-rank
+  extension). State per matrix: ``m^2`` (Q) + ``m^2`` (U) + ``2mn``.
+  """
+  blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
+                   statistics="before", refresh="eigh", reexpress=("mu",),
+                   max_precond_dim=max_precond_dim, dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
+         shampoo_beta: Optional[float] = None, eps: float = 1e-8,
+         precondition_frequency: int = 10, max_precond_dim: Optional[int] = 10000,
+         mask: Any = None, dims: routing.DimsSpec = None,
+         fallback: Optional[optax.GradientTransformation] = None
+         ) -> optax.GradientTransformationExtraArgs:
+  """SOAP (paper Sec. 3.5, App. Alg. SOAP), as the SOAP authors' reference optimizer.
+
+  Step 1 initialises ``L, R`` (EMA ``shampoo_beta``, default ``b2``) and their
+  eigenbases and makes no update; then Adam (bias-corrected, torch-AdamW form) on
+  ``U_L^T G U_R``, statistics updated after the step, refresh every
+  ``precondition_frequency`` updates by sorting + one power iteration + QR, with
+  the second moment permuted and the first moment re-expressed. Sides larger than
+  ``max_precond_dim`` are not rotated.
+  """
+  inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
+  blocks = [rotate(inner, sides="both", interval=precondition_frequency,
+                   b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
+                   refresh="power_qr", reexpress=("mu",), permute=("nu",),
+                   max_precond_dim=max_precond_dim, dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
+            max_precond_dim: Optional[int] = 10000, mask: Any = None,
+            dims: routing.DimsSpec = None,
+            fallback: Optional[optax.GradientTransformation] = None
+            ) -> optax.GradientTransformationExtraArgs:
+  """Shampoo (paper App. Alg. Shampoo): ``L = eps I + sum G G^T``, ``R = eps I + sum G^T G``,
+  ``W <- W - lr * L^-1/4 G R^-1/4`` with the inverse roots (eigendecompositions)
+  recomputed when ``(t - 1) mod interval == 0``.
+  """
+  blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
+                   statistics="before", refresh="eigh", eigenvalue_power=-0.25,
+                   stats_eps=eps, max_precond_dim=max_precond_dim, dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+eigen_adam.static_args = ("max_precond_dim",)
+soap.static_args = ("max_precond_dim", "precondition_frequency")
+shampoo.static_args = ("max_precond_dim",)

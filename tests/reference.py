@@ -180,3 +180,127 @@ def make(name, m, n, **kw):
   if name in ("galore", "fira"):
     return _Transposing(GaloreRef, m, n, fira=(name == "fira"), **kw)
   raise ValueError(name)
+
+
+class EigenAdamRef:
+  """Paper App. Alg. "Alice-C/AdaDiag/one-side SOAP" (first moment in the original space)."""
+
+  def __init__(self, m, n, *, lr, interval, b1=0.9, b2=0.9, b3=0.999, eps=1e-8):
+    assert m <= n
+    self.Q, self.mom = np.zeros((m, m)), np.zeros((m, n))
+    self.v, self.U, self.t = np.zeros((m, n)), None, 0
+    self.kw = dict(lr=lr, interval=interval, b1=b1, b2=b2, b3=b3, eps=eps)
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    self.Q = k["b3"] * self.Q + (1 - k["b3"]) * g @ g.T
+    self.mom = k["b1"] * self.mom + (1 - k["b1"]) * g
+    if (self.t - 1) % k["interval"] == 0:
+      self.U = eig_desc(self.Q)[1]
+    mt = self.U.T @ self.mom
+    self.v = k["b2"] * self.v + (1 - k["b2"]) * (self.U.T @ g) ** 2
+    return -k["lr"] * self.U @ (mt / (np.sqrt(self.v) + k["eps"]))
+
+
+class SoapRef:
+  """The SOAP authors' reference optimizer (step order of its ``step`` and
+  ``update_preconditioner``), 2-D case, no weight decay, no merging."""
+
+  def __init__(self, m, n, *, lr, b1=0.95, b2=0.95, shampoo_beta=None, eps=1e-8,
+               precondition_frequency=10, max_precond_dim=10000):
+    self.sb = b2 if shampoo_beta is None else shampoo_beta
+    self.GG = [np.zeros((m, m)) if m <= max_precond_dim else None,
+               np.zeros((n, n)) if n <= max_precond_dim else None]
+    self.Q = None
+    self.exp_avg, self.exp_avg_sq = np.zeros((m, n)), np.zeros((m, n))
+    self.step_n = 0
+    self.kw = dict(lr=lr, b1=b1, b2=b2, eps=eps, freq=precondition_frequency)
+
+  def project(self, x):
+    if self.Q[0] is not None:
+      x = self.Q[0].T @ x
+    if self.Q[1] is not None:
+      x = x @ self.Q[1]
+    return x
+
+  def project_back(self, x):
+    if self.Q[0] is not None:
+      x = self.Q[0] @ x
+    if self.Q[1] is not None:
+      x = x @ self.Q[1].T
+    return x
+
+  def update_preconditioner(self, g):
+    if self.Q is not None:
+      self.exp_avg = self.project_back(self.exp_avg)
+    outer = [g @ g.T, g.T @ g]
+    for i in range(2):
+      if self.GG[i] is not None:
+        self.GG[i] = self.sb * self.GG[i] + (1 - self.sb) * outer[i]
+    if self.Q is None:
+      self.Q = [None if G is None else eig_desc(G)[1] for G in self.GG]
+    if self.step_n > 0 and self.step_n % self.kw["freq"] == 0:
+      new = []
+      for i, (G, O) in enumerate(zip(self.GG, self.Q)):
+        if G is None:
+          new.append(None)
+          continue
+        est = np.diag(O.T @ G @ O)
+        idx = np.argsort(-est, kind="stable")
+        self.exp_avg_sq = np.take(self.exp_avg_sq, idx, axis=i)
+        q, _ = np.linalg.qr(G @ O[:, idx])
+        new.append(q)
+      self.Q = new
+    if self.step_n > 0:
+      self.exp_avg = self.project(self.exp_avg)
+
+  def step(self, g, pick=None):
+    k = self.kw
+    if self.Q is None:
+      self.update_preconditioner(g)
+      return np.zeros_like(g)
+    gp = self.project(g)
+    self.step_n += 1
+    self.exp_avg = k["b1"] * self.exp_avg + (1 - k["b1"]) * gp
+    self.exp_avg_sq = k["b2"] * self.exp_avg_sq + (1 - k["b2"]) * gp ** 2
+    denom = np.sqrt(self.exp_avg_sq) + k["eps"]
+    step_size = k["lr"] * np.sqrt(1 - k["b2"] ** self.step_n) / (1 - k["b1"] ** self.step_n)
+    upd = -step_size * self.project_back(self.exp_avg / denom)
+    self.update_preconditioner(g)
+    return upd
+
+
+def mpow(a, p):
+  w, v = np.linalg.eigh(0.5 * (a + a.T))
+  return (v * w ** p) @ v.T
+
+
+class ShampooRef:
+  """Paper App. Alg. "Shampoo" with inverse roots recomputed every ``interval`` steps."""
+
+  def __init__(self, m, n, *, lr, eps=1e-6, interval=10):
+    self.L, self.R = eps * np.eye(m), eps * np.eye(n)
+    self.t = 0
+    self.kw = dict(lr=lr, interval=interval)
+
+  def step(self, g, pick=None):
+    self.t += 1
+    self.L = self.L + g @ g.T
+    self.R = self.R + g.T @ g
+    if (self.t - 1) % self.kw["interval"] == 0:
+      self.Lr, self.Rr = mpow(self.L, -0.25), mpow(self.R, -0.25)
+    return -self.kw["lr"] * self.Lr @ g @ self.Rr
+
+
+_make_base = make
+
+
+def make(name, m, n, **kw):  # noqa: F811  (extends the low-rank references above)
+  if name == "eigen_adam":
+    return _Transposing(EigenAdamRef, m, n, **kw)
+  if name == "soap":
+    return SoapRef(m, n, **kw)
+  if name == "shampoo":
+    return ShampooRef(m, n, **kw)
+  return _make_base(name, m, n, **kw)

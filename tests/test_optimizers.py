@@ -150,14 +150,21 @@ def test_state_sizes_equal_paper_formulas(name, shape):
 # -------------------------------------------------------------- optax integration
 
 
-def _all_named(rank=3):
-  return {
-      "racs": fo.racs(LR),
-      "alice": fo.alice(LR, rank=rank, leading=1, interval=2),
-      "alice0": fo.alice0(LR, rank=rank, leading=1, interval=2),
-      "galore": fo.galore(LR, rank=rank, interval=2),
-      "fira": fo.fira(LR, rank=rank, interval=2),
-  }
+NAMED_KW = {
+    "racs": {},
+    "alice": dict(rank=3, leading=1, interval=2),
+    "alice0": dict(rank=3, leading=1, interval=2),
+    "galore": dict(rank=3, interval=2),
+    "fira": dict(rank=3, interval=2),
+    "eigen_adam": dict(interval=2),
+    "soap": dict(precondition_frequency=2),
+    "shampoo": dict(interval=2),
+}
+ALL = list(NAMED_KW)
+
+
+def _all_named():
+  return {name: getattr(fo, name)(LR, **kw) for name, kw in NAMED_KW.items()}
 
 
 def _params():
@@ -170,7 +177,7 @@ def _g(params, t):
       params)
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+@pytest.mark.parametrize("name", ALL)
 def test_compiles_once_and_not_again_at_refresh(name):
   opt = _all_named()[name]
   params = _params()
@@ -188,12 +195,10 @@ def test_compiles_once_and_not_again_at_refresh(name):
   assert len(traces) == 1
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+@pytest.mark.parametrize("name", ALL)
 def test_chain_inject_hyperparams_multisteps_and_schedules(name):
   params = _params()
-  kw = {"racs": {}, "alice": dict(rank=3, leading=1, interval=2),
-        "alice0": dict(rank=3, leading=1, interval=2), "galore": dict(rank=3, interval=2),
-        "fira": dict(rank=3, interval=2)}[name]
+  kw = NAMED_KW[name]
   factory = getattr(fo, name)
   sched = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10, LR * 0.1)
   variants = [
@@ -216,7 +221,7 @@ def test_chain_inject_hyperparams_multisteps_and_schedules(name):
   np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+@pytest.mark.parametrize("name", ALL)
 def test_bf16_params_get_bf16_updates(name):
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
   opt = _all_named()[name]

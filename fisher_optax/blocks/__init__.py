@@ -8,3 +8,4 @@ from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMome
                                          scale_by_bias_correction, scale_by_moments)
 from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
+from fisher_optax.blocks.rotate import RotateState, rotate
