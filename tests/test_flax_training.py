@@ -37,7 +37,7 @@ OPTS = {
     "fira": lambda: fo.fira(0.02, rank=8, interval=10, scale=1.0),
     "eigen_adam": lambda: fo.eigen_adam(3e-3, interval=10),
     "soap": lambda: fo.soap(1e-2),
-    "shampoo": lambda: fo.shampoo(3e-3, eps=1e-4, interval=5),
+    "shampoo": lambda: fo.shampoo(0.1, eps=1e-4, interval=5),  # AdaGrad-like: larger lr
 }
 
 
