@@ -11,16 +11,18 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  SvdRefresh, compensate, low_rank_track, norm_growth_limiter,
                                  on_coefficients, project_back, RotateState, rotate, scale_by_bias_correction,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
+from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.optimizers import (alice, alice0, eigen_adam, fira, galore, inject_hyperparams,
-                                     racs, shampoo, soap)
+from fisher_optax.optimizers import (alice, alice0, apollo, apollo_mini, eigen_adam, fira, galore,
+                                     inject_hyperparams, racs, shampoo, soap)
 from fisher_optax.routing import MatrixDims, default_mask, path_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "alice", "alice0", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
-    "inject_hyperparams", "rotate", "RotateState",
+    "apollo", "apollo_mini", "inject_hyperparams", "rotate", "RotateState", "random_project",
+    "scale_by_subspace_ratio", "RandomProjectState",
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
     "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",

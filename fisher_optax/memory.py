@@ -9,8 +9,15 @@ GaLore         ``2nr + mr``
 Fira           ``2nr + mr`` (+1 limiter scalar)
 Alice          ``2nr + mr + r^2 + n`` (+1 limiter scalar)
 Alice-0        ``2nr + mr + n`` (+1)
+Apollo         ``2nr`` (+1 limiter scalar, +1 seed)
+Apollo-mini    ``2n`` (+2: limiter norm, seed) -- the paper's ``2n + 2``
+Eigen-Adam     ``2m^2 + 2mn`` (statistics, basis, moments)
+SOAP           ``2m^2 + 2n^2 + 2mn``
+Shampoo        ``2m^2 + 2n^2 + m + n`` (statistics, bases, eigenvalues)
 Adam           ``2mn``
 =============  ===========================
+
+(Rotation methods: a side larger than ``max_precond_dim`` drops its ``d^2`` terms.)
 
 The "+1" scalars (limiter norms), step counters and PRNG keys are listed
 separately by :func:`paper_state_numbers` (``extra``).
@@ -53,6 +60,11 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0) -> tuple[int, 
       "fira": (2 * n * r + m * r, 1),
       "alice": (2 * n * r + m * r + r * r + n, 1),
       "alice0": (2 * n * r + m * r + n, 1),
+      "apollo": (2 * n * r, 2),
+      "apollo_mini": (2 * n, 2),
+      "eigen_adam": (2 * m * m + 2 * m * n, 0),
+      "soap": (2 * m * m + 2 * n * n + 2 * m * n, 0),
+      "shampoo": (2 * m * m + 2 * n * n + m + n, 0),
       "adam": (2 * m * n, 0),
   }
   if name not in table:

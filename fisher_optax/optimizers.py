@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import math
+
 import optax
 
 from fisher_optax import routing
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
-                                 on_coefficients, project_back, rotate, scale_by_bias_correction,
+                                 on_coefficients, project_back, random_project, rotate,
+                                 scale_by_bias_correction, scale_by_subspace_ratio,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 
 
@@ -215,3 +218,56 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
 eigen_adam.static_args = ("max_precond_dim",)
 soap.static_args = ("max_precond_dim", "precondition_frequency")
 shampoo.static_args = ("max_precond_dim",)
+
+
+# ------------------------------------------------------------------------- Apollo
+
+
+def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
+            dims, fallback):
+  routing.check_range("scale", scale, low=0.0, high=float("inf"))
+  blocks = [random_project(rank=rank, interval=interval, seed=seed, dims=dims),
+            on_coefficients(scale_by_moments(b1, b2, eps), rank=rank, dims=dims),
+            scale_by_subspace_ratio(kind)]
+  if limiter is not None:
+    blocks.append(norm_growth_limiter(limiter, dims=dims))
+  blocks += [optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
+             else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
+  return _finish(blocks, learning_rate, mask, dims, fallback)
+
+
+def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
+           scale: float = 1.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+           limiter: Optional[float] = 1.01, seed: int = 0, mask: Any = None,
+           dims: routing.DimsSpec = None,
+           fallback: Optional[optax.GradientTransformation] = None
+           ) -> optax.GradientTransformationExtraArgs:
+  """APOLLO (paper App. Alg. "Apollo"), as its release: channel-wise scaling.
+
+  ``sigma = U^T G`` with a seeded Gaussian ``U`` (``N(0, 1/r)``, new seed every
+  ``interval`` steps, never stored); Adam moments of ``sigma``;
+  ``s_j = ||adam_j|| / ||sigma_j||``; ``W <- W - lr * c_t * sqrt(scale) * limiter(G diag(s))``
+  with the release's step-size bias correction ``c_t`` and ``sqrt(scale)``.
+  State per matrix: ``2nr + 1`` (+ a seed).
+  """
+  return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
+                 b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
+                 fallback=fallback)
+
+
+def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
+                scale: float = 128.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                limiter: Optional[float] = 1.01, seed: int = 0, mask: Any = None,
+                dims: routing.DimsSpec = None,
+                fallback: Optional[optax.GradientTransformation] = None
+                ) -> optax.GradientTransformationExtraArgs:
+  """APOLLO-mini: rank 1, tensor-wise scaling (``scale`` 128 as in the release's scripts).
+
+  State per matrix: ``2n + 2`` numbers (moments, limiter norm, seed; paper App.).
+  """
+  return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
+                 b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
+                 fallback=fallback)
+
+
+apollo.static_args = ("rank",)

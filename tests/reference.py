@@ -304,3 +304,34 @@ def make(name, m, n, **kw):  # noqa: F811  (extends the low-rank references abov
   if name == "shampoo":
     return ShampooRef(m, n, **kw)
   return _make_base(name, m, n, **kw)
+
+
+class ApolloRef:
+  """APOLLO release (``apollo_torch/apollo.py``): Adam on ``U^T G``, channel/tensor norm
+  ratio applied to the raw gradient, limiter, ``sqrt(scale)``, step-size bias correction.
+  ``basis(t)`` gives the Gaussian projection of step ``t`` (the library's seeded draw)."""
+
+  def __init__(self, m, n, *, lr, rank, kind, scale, basis, b1=0.9, b2=0.999, eps=1e-6,
+               gamma=1.01):
+    assert m <= n
+    r = min(rank, m)
+    self.M, self.V = np.zeros((r, n)), np.zeros((r, n))
+    self.phi, self.t, self.basis = 0.0, 0, basis
+    self.kw = dict(lr=lr, kind=kind, scale=scale, b1=b1, b2=b2, eps=eps, gamma=gamma)
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    U = np.asarray(self.basis(self.t), np.float64)
+    sigma = U.T @ g
+    self.M = k["b1"] * self.M + (1 - k["b1"]) * sigma
+    self.V = k["b2"] * self.V + (1 - k["b2"]) * sigma ** 2
+    ng = self.M / (np.sqrt(self.V) + k["eps"])
+    if k["kind"] == "channel":
+      s = np.linalg.norm(ng, axis=0) / (np.linalg.norm(sigma, axis=0) + 1e-8)
+    else:
+      s = np.linalg.norm(ng) / (np.linalg.norm(sigma) + 1e-8)
+    scaled = g * s
+    eta, self.phi = limiter(np.linalg.norm(scaled), self.phi, k["gamma"])
+    step = k["lr"] * np.sqrt(1 - k["b2"] ** self.t) / (1 - k["b1"] ** self.t)
+    return -step * np.sqrt(k["scale"]) * eta * scaled

@@ -35,6 +35,8 @@ OPTS = {
     "alice0": lambda: fo.alice0(0.02, rank=8, leading=3, interval=10),
     "galore": lambda: fo.galore(0.02, rank=8, interval=10, scale=1.0),
     "fira": lambda: fo.fira(0.02, rank=8, interval=10, scale=1.0),
+    "apollo": lambda: fo.apollo(0.02, rank=8, interval=10),
+    "apollo_mini": lambda: fo.apollo_mini(0.02, interval=10),
     "eigen_adam": lambda: fo.eigen_adam(3e-3, interval=10),
     "soap": lambda: fo.soap(1e-2),
     "shampoo": lambda: fo.shampoo(0.1, eps=1e-4, interval=5),  # AdaGrad-like: larger lr

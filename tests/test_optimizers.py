@@ -125,11 +125,12 @@ def test_galore_projects_smaller_side_unlike_optax_contrib():
 # ------------------------------------------------------------------ state sizes
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira"])
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira", "apollo",
+                                  "apollo_mini", "eigen_adam", "soap", "shampoo"])
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 16, 40)], ids=str)
 def test_state_sizes_equal_paper_formulas(name, shape):
   rank = 5
-  kw = {} if name == "racs" else dict(rank=rank)
+  kw = dict(rank=rank) if name in ("alice", "alice0", "galore", "fira", "apollo") else {}
   if name.startswith("alice"):
     kw["leading"] = 2
   opt = getattr(fo, name)(LR, **kw)
@@ -159,6 +160,8 @@ NAMED_KW = {
     "eigen_adam": dict(interval=2),
     "soap": dict(precondition_frequency=2),
     "shampoo": dict(interval=2),
+    "apollo": dict(rank=3, interval=2),
+    "apollo_mini": dict(interval=2),
 }
 ALL = list(NAMED_KW)
 

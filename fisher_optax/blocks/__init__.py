@@ -9,3 +9,5 @@ from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMome
 from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
 from fisher_optax.blocks.rotate import RotateState, rotate
+from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,
+                                                   scale_by_subspace_ratio)

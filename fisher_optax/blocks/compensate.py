@@ -37,7 +37,7 @@ import optax
 
 from fisher_optax import linalg, routing
 from fisher_optax.blocks import limiter as limiter_lib
-from fisher_optax.blocks import low_rank
+from fisher_optax.blocks import low_rank, random_projection
 
 
 class CompensateState(NamedTuple):
@@ -87,9 +87,7 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
       c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
     else:
       p_new = None
-      col = lambda x: jnp.sqrt(jnp.sum(jnp.square(x), axis=-2))
-      factor = col(coeffs) / (col(sigma) + 1e-8)
-      c = (g - scale * (u @ sigma)) * factor[..., None, :]
+      c = (g - scale * (u @ sigma)) * random_projection.norm_ratio(coeffs, sigma, "channel")
     c = jnp.where(jnp.isfinite(c), c, 0.0)
     if limiter is not None:
       norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))

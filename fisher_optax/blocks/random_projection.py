@@ -1,0 +1,123 @@
+"""Random projections and norm-ratio gradient scaling: the APOLLO blocks (paper App.
+Alg. "Apollo"; the APOLLO release).
+
+:func:`random_project` emits :class:`~fisher_optax.blocks.low_rank.Subspace` nodes
+with ``sigma = U^T G`` for a Gaussian ``U`` (``m x r``, entries ``N(0, 1/r)``,
+smaller side) that is *regenerated* every step from a per-matrix seed kept in the
+state; the seed is renewed at every refresh (``(t - 1) mod interval == 0``, t > 1).
+No basis is stored: per matrix the state is one seed.
+
+:func:`scale_by_subspace_ratio` maps each node to a dense update that scales the
+*raw* gradient::
+
+    channel: out = G diag(s),  s_j = ||coeffs_{:,j}|| / (||sigma_{:,j}|| + 1e-8)
+    tensor:  out = s G,        s   = ||coeffs||_F / (||sigma||_F + 1e-8)
+
+where ``coeffs`` is what :func:`on_coefficients` made of ``sigma`` (Adam's output).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import routing
+from fisher_optax.blocks import low_rank
+
+
+def random_basis(seed: jax.Array, m: int, r: int) -> jax.Array:
+  """The ``m x r`` Gaussian projection ``N(0, 1/r)`` of one matrix for a uint32 seed."""
+  key = jax.random.PRNGKey(seed)
+  return jax.random.normal(key, (m, r), jnp.float32) / jnp.sqrt(jnp.float32(r))
+
+
+def next_seed(seed: jax.Array) -> jax.Array:
+  """An independent new seed (uint32) derived from ``seed``."""
+  return jax.random.bits(jax.random.fold_in(jax.random.PRNGKey(seed), 1), (), jnp.uint32)
+
+
+class RandomProjectState(NamedTuple):
+  """``seed``: per matrix, uint32, shape = the leaf's batch shape."""
+  count: jax.Array
+  seed: optax.Updates
+
+
+def random_project(*, rank: int, interval: int = 200, seed: int = 0,
+                   dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+  """Projects each matrix gradient with a seeded Gaussian ``U`` (APOLLO); emits ``Subspace``.
+
+  Args:
+    rank: ``r >= 1``, clipped per matrix to ``min(m, n)``.
+    interval: seed renewal period ``K >= 1``.
+    seed: base seed; matrix ``i`` of the tree (flattened, stacks included) starts
+      from ``fold_in(seed, i)``.
+    dims: matrix axes per leaf.
+  """
+  routing.check_int("rank", rank, low=1)
+  rank = routing.static_int("rank", rank)
+  routing.check_int("interval", interval, low=1)
+  what = "random_project"
+
+  def init_fn(params):
+    views = routing.views_like(params, dims, smaller_first=True, what=what)
+    leaves, treedef = jax.tree.flatten(params)
+    seeds = []
+    for i, (p, v) in enumerate(zip(leaves, treedef.flatten_up_to(views))):
+      k = jax.random.fold_in(jax.random.PRNGKey(seed), i)
+      seeds.append(jax.random.bits(k, v.batch_shape, jnp.uint32))
+    return RandomProjectState(count=jnp.zeros([], jnp.int32), seed=treedef.unflatten(seeds))
+
+  def update_fn(updates, state, params=None):
+    del params
+    views = routing.views_like(updates, dims, smaller_first=True, what=what)
+    renew = (state.count > 0) & ((state.count % interval) == 0)
+
+    def one(g, sd, view):
+      sd = jnp.where(renew, routing.vmap_batch(next_seed, len(view.batch_shape))(sd), sd)
+      r = low_rank.clipped_rank(rank, view)
+      basis = routing.vmap_batch(lambda s: random_basis(s, view.m, r), len(view.batch_shape))(sd)
+      gc = view.to_canonical(g).astype(jnp.float32)
+      sigma = jnp.swapaxes(basis, -1, -2) @ gc
+      node = low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
+                               dtype=g.dtype)
+      return node, sd
+
+    res = jax.tree.map(one, updates, state.seed, views)
+    nodes = jax.tree.map(lambda _, r: r[0], updates, res)
+    seeds = jax.tree.map(lambda _, r: r[1], updates, res)
+    return nodes, RandomProjectState(count=optax.safe_int32_increment(state.count), seed=seeds)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def norm_ratio(coeffs: jax.Array, sigma: jax.Array, kind: str) -> jax.Array:
+  """``||coeffs|| / (||sigma|| + 1e-8)`` per column (``channel``, shape ``batch + (1, n)``)
+  or per matrix (``tensor``, shape ``batch + (1, 1)``)."""
+  axes = (-2,) if kind == "channel" else (-2, -1)
+  num = jnp.sqrt(jnp.sum(jnp.square(coeffs), axis=axes, keepdims=True))
+  den = jnp.sqrt(jnp.sum(jnp.square(sigma), axis=axes, keepdims=True)) + 1e-8
+  return num / den
+
+
+def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformation:
+  """``Subspace`` -> ``G * s`` with APOLLO's channel- or tensor-wise ratio (module docstring)."""
+  if kind not in ("channel", "tensor"):
+    raise ValueError(f"`kind` must be 'channel' or 'tensor', got {kind!r}")
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+
+    def one(s):
+      out = s.grad * norm_ratio(s.coeffs, s.sigma, kind)
+      return low_rank.to_leaf(s, jnp.where(jnp.isfinite(out), out, 0.0))
+
+    return jax.tree.map(one, updates, is_leaf=low_rank.is_subspace), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
