@@ -49,8 +49,14 @@ def main():
       "alice0": fo.alice0(0.02, rank=16, leading=4, interval=50),
       "galore": fo.galore(0.02, rank=16, interval=50, scale=1.0),
       "fira": fo.fira(0.02, rank=16, interval=50, scale=1.0),
+      "apollo": fo.apollo(0.02, rank=16, interval=50),
+      "apollo_mini": fo.apollo_mini(0.02, interval=50),
+      "eigen_adam": fo.eigen_adam(3e-3, interval=20),
+      "soap": fo.soap(1e-2),
+      "shampoo": fo.shampoo(0.1, eps=1e-4, interval=10),
   }
-  print(f"{'optimizer':10s} {'loss@0':>8s} {'loss@end':>9s} {'state KiB':>10s} {'s/step':>8s}")
+  print(f"{'optimizer':12s} {'loss@0':>8s} {'loss@25':>8s} {'loss@end':>9s} {'state KiB':>10s}"
+        f" {'s/step':>8s}")
   for name, tx in optimizers.items():
     model = TokenMLP(args.vocab, 64, nnx.Rngs(0))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -69,7 +75,8 @@ def main():
       losses.append(float(step(model, opt, x, perm[x])))
     dt = (time.perf_counter() - t0) / args.steps
     kib = fo.state_bytes(nnx.state(opt, nnx.optimizer.OptState)) / 1024
-    print(f"{name:10s} {losses[0]:8.3f} {losses[-1]:9.3f} {kib:10.1f} {dt:8.4f}")
+    print(f"{name:12s} {losses[0]:8.3f} {losses[25]:8.3f} {losses[-1]:9.3f} {kib:10.1f}"
+          f" {dt:8.4f}")
 
 
 if __name__ == "__main__":

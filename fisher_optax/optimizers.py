@@ -47,6 +47,8 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
   ``scale(alpha)`` -> ``scale_by_learning_rate``. ``limiter=None`` drops the limiter.
   State per matrix: ``m + n + 1`` numbers.
   """
+  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+                      allow_none=True)
   blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=dims)]
   if limiter is not None:
     blocks.append(norm_growth_limiter(limiter, dims=dims))
@@ -58,6 +60,7 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
                  dims, state_dtype):
   routing.check_int("rank", rank, low=1)
   routing.check_int("leading", leading, low=0, high=rank)
+  routing.check_range("b3", b3, low=0.0, high=1.0)
   return [
       low_rank_track(rank=rank, interval=interval, tracking=b3,
                      refresh=switch(leading=leading, seed=seed), dims=dims,
@@ -226,6 +229,8 @@ shampoo.static_args = ("max_precond_dim",)
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
             dims, fallback):
   routing.check_range("scale", scale, low=0.0, high=float("inf"))
+  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+                      allow_none=True)
   blocks = [random_project(rank=rank, interval=interval, seed=seed, dims=dims),
             on_coefficients(scale_by_moments(b1, b2, eps), rank=rank, dims=dims),
             scale_by_subspace_ratio(kind)]

@@ -40,15 +40,7 @@ def _picker(shape, b, seed=0, leaf_index=0):
 
 
 def run_library(name, shape, grads, **kw):
-  opt = getattr(fo, name)(LR, **kw)
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  state = opt.init(params)
-  update = jax.jit(opt.update)
-  outs = []
-  for g in grads:
-    u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
-    outs.append(np.asarray(u["w"], np.float64))
-  return outs
+  return _run_opt(getattr(fo, name)(LR, **kw), grads, shape)
 
 
 def run_reference(name, shape, grads, **kw):
@@ -82,7 +74,8 @@ def test_matches_dense_float64_reference(name, shape):
 
 
 def _run_opt(opt, grads, shape):
-  params = {"w": jnp.zeros(shape)}
+  """Jitted updates of ``opt`` for a single leaf ``w`` of ``shape`` (float64 copies)."""
+  params = {"w": jnp.zeros(shape, jnp.float32)}
   state = opt.init(params)
   update = jax.jit(opt.update)
   outs = []
@@ -267,13 +260,18 @@ def test_routing_vectors_to_adam_and_path_mask():
     (fo.alice, dict(interval=0), "interval"),
     (fo.alice, dict(b1=1.0), "b1"),
     (fo.alice, dict(b2=-0.5), "b2"),
-    (fo.alice, dict(b3=1.5), "tracking"),
+    (fo.alice, dict(b3=1.5), "b3"),
     (fo.alice, dict(limiter=-1.0), "limiter"),
     (fo.alice0, dict(leading=300), "leading"),
     (fo.galore, dict(rank=-1), "rank"),
     (fo.fira, dict(limiter=0.0), "limiter"),
     (fo.racs, dict(beta=1.0), "beta"),
-    (fo.racs, dict(limiter=-0.5), "threshold"),
+    (fo.racs, dict(limiter=-0.5), "limiter"),
+    (fo.apollo, dict(rank=0), "rank"),
+    (fo.apollo_mini, dict(limiter=0.0), "limiter"),
+    (fo.soap, dict(precondition_frequency=0), "interval"),
+    (fo.shampoo, dict(eps=-1.0), "stats_eps"),
+    (fo.eigen_adam, dict(b3=1.0), "b3"),
 ])
 def test_invalid_settings_raise_when_built(factory, kw, arg):
   with pytest.raises(ValueError, match=arg):
