@@ -1,0 +1,1 @@
+"""Flax NNX LLaMA pre-training example for fisher_optax."""
