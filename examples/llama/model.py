@@ -41,7 +41,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.weight.value.astype(jnp.float32)).astype(x.dtype)
+    return (y * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope(x, theta: float):

@@ -61,6 +61,8 @@ def parse_args(argv=None):
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--checkpoint-every", type=int, default=None)
   ap.add_argument("--resume", action="store_true")
+  ap.add_argument("--stop-after", type=int, default=None,
+                  help="stop (with a checkpoint) after this many steps: simulates preemption")
   ap.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (tensorboardX)")
   ap.add_argument("--no-progress", action="store_true")
   return ap.parse_args(argv)
@@ -252,8 +254,11 @@ def run(args, *, log=print) -> dict:
         bar.write(f"step {done:6d}  train {window_loss / window_steps:.4f}  eval {ev:.4f}  "
                   f"ppl {math.exp(ev):8.2f}  {tps:,.0f} tok/s")
       window_loss, window_steps, window_time = 0.0, 0, 0.0
-    if done % ckpt_every == 0 or done == args.steps:
+    stop = args.stop_after is not None and done >= args.stop_after
+    if done % ckpt_every == 0 or done == args.steps or stop:
       ckpt.save(done, params, opt_state)
+    if stop:
+      break
   if bar is not None:
     bar.close()
   if writer is not None:

@@ -1,0 +1,95 @@
+"""The LLaMA example end to end on the bundled Shakespeare corpus (tiny settings)."""
+
+import csv
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from examples.llama import compare, data, presets, train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tok_cache"))
+
+
+def _args(out, cache, *extra):
+  return train.parse_args(["--preset", "tiny", "--steps", "6", "--eval-every", "3",
+                           "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
+                           "--cache-dir", cache, "--out", str(out), "--no-progress", *extra])
+
+
+def test_split_holds_out_whole_plays_and_tokenizer_round_trips(cache):
+  train_docs, eval_docs = data.split_documents("shakespeare")
+  assert set(eval_docs) == set(data.EVAL_PLAYS)
+  assert not set(train_docs) & set(eval_docs)
+  assert len(train_docs) + len(eval_docs) >= 38
+  corpus = data.load_corpus("shakespeare", 512, cache_dir=cache)
+  text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;"
+  assert corpus.decode(corpus.encode(text)) == text
+  assert corpus.train_ids.max() < corpus.vocab_size and len(corpus.eval_ids) > 10_000
+
+
+def test_local_text_folder_is_split_by_file(tmp_path):
+  for i in range(12):
+    (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
+  tr, ev = data.split_documents(str(tmp_path))
+  assert ev and not set(tr) & set(ev) and len(tr) + len(ev) == 12
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+  ids = np.arange(10_000, dtype=np.int32)
+  a = data.train_batch(ids, 0, 5, 4, 16)
+  b = data.train_batch(ids, 0, 5, 4, 16)
+  np.testing.assert_array_equal(a[0], b[0])
+  np.testing.assert_array_equal(a[1], a[0] + 1)
+
+
+@pytest.mark.parametrize("name", ["alice", "racs"])
+def test_pipeline_end_to_end(tmp_path, cache, name):
+  res = train.run(_args(tmp_path, cache, "--optimizer", name), log=lambda *_: None)
+  rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+  assert [int(r["step"]) for r in rows] == [3, 6]
+  assert set(rows[0]) == set(train.COLUMNS)
+  assert np.isfinite(res["final_eval_loss"]) and res["final_eval_ppl"] > 1
+  assert (tmp_path / "config.json").exists()
+
+
+def test_grad_accumulation_equals_the_big_batch(tmp_path, cache):
+  a = train.run(_args(tmp_path / "a", cache, "--optimizer", "adam", "--steps", "2"),
+                log=lambda *_: None)
+  b = train.run(_args(tmp_path / "b", cache, "--optimizer", "adam", "--steps", "2",
+                      "--grad-accum", "2"), log=lambda *_: None)
+  for x, y in zip(jax.tree.leaves(a["params"]), jax.tree.leaves(b["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, cache):
+  full = train.run(_args(tmp_path / "full", cache, "--optimizer", "alice"), log=lambda *_: None)
+  train.run(_args(tmp_path / "cut", cache, "--optimizer", "alice", "--stop-after", "4"),
+            log=lambda *_: None)
+  resumed = train.run(_args(tmp_path / "cut", cache, "--optimizer", "alice", "--resume"),
+                      log=lambda *_: None)
+  for x, y in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(resumed["params"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  rows = list(csv.DictReader((tmp_path / "cut" / "metrics.csv").open()))
+  assert [int(r["step"]) for r in rows] == [3, 6]
+
+
+def test_compare_writes_summary_and_plot(tmp_path, cache):
+  compare.main(["--preset", "tiny", "--optimizers", "adam,galore", "--steps", "4",
+                "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",
+                "--cache-dir", cache, "--out", str(tmp_path), "--no-progress"]
+               + [])
+  text = (tmp_path / "summary.md").read_text()
+  assert "| adam |" in text and "| galore |" in text
+  assert (tmp_path / "eval_loss.png").stat().st_size > 10_000
+
+
+def test_presets_match_the_paper_table():
+  assert presets.model_config("60M").num_params() == pytest.approx(58e6, rel=0.1)
+  assert presets.model_config("130M").num_params() == pytest.approx(134e6, rel=0.1)
+  assert presets.model_config("350M").num_params() == pytest.approx(368e6, rel=0.1)
+  assert presets.model_config("1B").num_params() == pytest.approx(1.34e9, rel=0.1)
