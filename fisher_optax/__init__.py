@@ -31,3 +31,4 @@ __all__ = [
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",
 ]
+from fisher_optax.sharding import state_partition_specs, state_shardings  # noqa: E402

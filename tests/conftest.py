@@ -1,7 +1,14 @@
-"""Shared fixtures. Multi-device tests set XLA_FLAGS themselves in a subprocess."""
+"""Shared fixtures. The test process gets 8 CPU devices (set before JAX is imported) so
+that sharded runs are tested on CPU; single-device code keeps using device 0."""
 
-import numpy as np
-import pytest
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def structured_grads(shape, steps, seed=0, noise=0.3):

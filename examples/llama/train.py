@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from examples.llama import data as data_lib
@@ -59,13 +61,49 @@ def parse_args(argv=None):
   ap.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer name (online)")
   ap.add_argument("--cache-dir", default=None)
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  ap.add_argument("--checkpoint-every", type=int, default=None)
+  ap.add_argument("--checkpoint-every", type=int, default=None, help="0 disables checkpoints")
   ap.add_argument("--resume", action="store_true")
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop (with a checkpoint) after this many steps: simulates preemption")
   ap.add_argument("--tensorboard", action="store_true", help="also log to OUT/tb (tensorboardX)")
   ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--mesh", default=None,
+                  help="DATA,FSDP,TENSOR device-mesh sizes, e.g. 2,2,2 (default: one device)")
+  ap.add_argument("--coordinator", default=None,
+                  help="host:port of process 0 for multi-process runs (jax.distributed)")
+  ap.add_argument("--num-processes", type=int, default=1)
+  ap.add_argument("--process-id", type=int, default=0)
   return ap.parse_args(argv)
+
+
+_DISTRIBUTED = False
+
+
+def init_distributed(args):
+  """``jax.distributed.initialize`` for multi-process runs (CPU: gloo collectives)."""
+  global _DISTRIBUTED
+  if args.coordinator is None or args.num_processes <= 1 or _DISTRIBUTED:
+    return
+  _DISTRIBUTED = True
+  # Harmless on GPU/TPU (only used by the CPU backend); must precede any backend use.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes, process_id=args.process_id)
+
+
+def make_mesh(spec: str | None):
+  """A ``("data", "fsdp", "tensor")`` mesh over all (global) devices, or ``None``."""
+  if not spec:
+    return None
+  sizes = tuple(int(x) for x in spec.split(","))
+  if len(sizes) != 3 or np.prod(sizes) != jax.device_count():
+    raise ValueError(f"--mesh {spec}: need 3 sizes multiplying to {jax.device_count()} devices")
+  return Mesh(np.array(jax.devices()).reshape(sizes), ("data", "fsdp", "tensor"))
+
+
+def param_specs(params):
+  """FSDP on the rows and tensor parallelism on the columns of every matrix."""
+  return jax.tree.map(lambda p: P("fsdp", "tensor") if p.ndim == 2 else P(), params)
 
 
 def lr_schedule(peak: float, steps: int) -> optax.Schedule:
@@ -89,8 +127,8 @@ def build(args) -> Setup:
   corpus = data_lib.load_corpus(args.data, vocab, args.tokenizer, args.cache_dir)
   cfg = presets.model_config(args.preset, vocab_size=corpus.vocab_size, dtype=args.dtype,
                              param_dtype=args.dtype)
-  model = Llama(cfg, nnx.Rngs(args.seed))
-  graphdef, params = nnx.split(model, nnx.Param)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(args.seed))),
+                               nnx.Param)
   lr = args.lr if args.lr is not None else presets.default_lr(args.preset, args.optimizer)
   head = {"auto": None, "adam": True, "structured": False}[args.lm_head]
   tx = presets.make_optimizer(args.optimizer, args.preset, lr_schedule(lr, args.steps),
@@ -99,6 +137,13 @@ def build(args) -> Setup:
   if bs % args.grad_accum:
     raise ValueError(f"--batch-size {bs} is not divisible by --grad-accum {args.grad_accum}")
   return Setup(cfg, corpus, graphdef, params, tx, bs, lr)
+
+
+def init_params(setup: Setup, seed: int, shardings=None):
+  """Initialises the parameters inside ``jit`` (each device makes its own shards)."""
+  def f():
+    return nnx.state(Llama(setup.cfg, nnx.Rngs(seed)), nnx.Param)
+  return jax.jit(f, out_shardings=shardings)()
 
 
 def make_steps(setup: Setup):
@@ -168,15 +213,35 @@ def run(args, *, log=print) -> dict:
   """Trains as ``args`` say; returns a summary dict (also used by compare.py)."""
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  init_distributed(args)
+  main_process = jax.process_index() == 0
+  if not main_process:
+    log = lambda *_: None
   setup = build(args)
   cfg, corpus = setup.cfg, setup.corpus
-  params = setup.params
-  opt_state = setup.tx.init(params)
+  mesh = make_mesh(args.mesh)
+  if mesh is None:
+    p_sh = s_sh = batch_sh = None
+  else:
+    specs = param_specs(setup.params)
+    p_sh = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+    s_sh = fo.state_shardings(setup.tx, setup.params, specs, mesh)
+    batch_sh = NamedSharding(mesh, P(None, "data", None))
+  params = init_params(setup, args.seed, p_sh)
+  opt_state = jax.jit(setup.tx.init, out_shardings=s_sh)(params)
   train_step, eval_loss = make_steps(setup)
+
+  def to_device(x):
+    x = np.asarray(x, np.int32)
+    if batch_sh is None:
+      return jnp.asarray(x)
+    sh = batch_sh if x.ndim == 3 else NamedSharding(mesh, P("data", None))
+    return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
   ctx = cfg.context
   micro = setup.batch_size // args.grad_accum
   eval_every = args.eval_every or max(1, args.steps // 10)
-  ckpt_every = args.checkpoint_every or eval_every
+  ckpt_every = eval_every if args.checkpoint_every is None else args.checkpoint_every
   evals = data_lib.eval_batches(corpus.eval_ids, micro, ctx, args.eval_batches)
   ckpt = Checkpoints(out / "ckpt")
 
@@ -186,10 +251,11 @@ def run(args, *, log=print) -> dict:
     rows = _read_metrics(out / "metrics.csv", start)
     wall = float(rows[-1]["wall_s"]) if rows else 0.0
     log(f"resumed from step {start}")
-  (out / "config.json").write_text(json.dumps(
-      {**vars(args), "model": dataclasses.asdict(cfg), "lr": setup.lr,
-       "batch_size": setup.batch_size, "params": cfg.num_params(),
-       "optimizer_state_bytes": fo.state_bytes(opt_state)}, indent=2, default=str))
+  if main_process:
+    (out / "config.json").write_text(json.dumps(
+        {**vars(args), "model": dataclasses.asdict(cfg), "lr": setup.lr,
+         "batch_size": setup.batch_size, "params": cfg.num_params(),
+         "optimizer_state_bytes": fo.state_bytes(opt_state)}, indent=2, default=str))
 
   writer = None
   if args.tensorboard:
@@ -197,10 +263,11 @@ def run(args, *, log=print) -> dict:
     writer = SummaryWriter(str(out / "tb"))
 
   def evaluate(p):
-    return float(np.mean([float(eval_loss(p, jnp.asarray(x), jnp.asarray(y)))
-                          for x, y in evals]))
+    return float(np.mean([float(eval_loss(p, to_device(x), to_device(y))) for x, y in evals]))
 
   def write_rows():
+    if not main_process:
+      return
     with (out / "metrics.csv").open("w", newline="") as f:
       w = csv.DictWriter(f, fieldnames=COLUMNS)
       w.writeheader()
@@ -208,7 +275,7 @@ def run(args, *, log=print) -> dict:
 
   tokens_per_step = setup.batch_size * ctx
   # compile ahead of time so that timings (tokens/s, wall_s) are pure step time
-  x0 = jnp.zeros((args.grad_accum, micro, ctx), jnp.int32)
+  x0 = to_device(np.zeros((args.grad_accum, micro, ctx), np.int32))
   t0 = time.perf_counter()
   train_step = train_step.lower(params, opt_state, x0, x0).compile()
   compile_s = time.perf_counter() - t0
@@ -216,14 +283,14 @@ def run(args, *, log=print) -> dict:
       f"model {cfg.num_params() / 1e6:.2f}M params, optimizer state "
       f"{fo.state_bytes(opt_state) / 2 ** 20:.2f} MB")
   bar = None
-  if not args.no_progress:
+  if not args.no_progress and main_process:
     from tqdm.auto import tqdm
     bar = tqdm(total=args.steps, initial=start, desc=f"{args.optimizer}", dynamic_ncols=True)
   window_loss, window_steps, window_time = 0.0, 0, 0.0
   for step in range(start, args.steps):
     x, y = data_lib.train_batch(corpus.train_ids, args.seed, step, setup.batch_size, ctx)
-    xs = jnp.asarray(x.reshape(args.grad_accum, micro, ctx))
-    ys = jnp.asarray(y.reshape(args.grad_accum, micro, ctx))
+    xs = to_device(x.reshape(args.grad_accum, micro, ctx))
+    ys = to_device(y.reshape(args.grad_accum, micro, ctx))
     t0 = time.perf_counter()
     params, opt_state, loss = train_step(params, opt_state, xs, ys)
     loss = float(loss)  # synchronises
@@ -255,7 +322,7 @@ def run(args, *, log=print) -> dict:
                   f"ppl {math.exp(ev):8.2f}  {tps:,.0f} tok/s")
       window_loss, window_steps, window_time = 0.0, 0, 0.0
     stop = args.stop_after is not None and done >= args.stop_after
-    if done % ckpt_every == 0 or done == args.steps or stop:
+    if ckpt_every and (done % ckpt_every == 0 or done == args.steps or stop):
       ckpt.save(done, params, opt_state)
     if stop:
       break
@@ -275,6 +342,8 @@ def run(args, *, log=print) -> dict:
 def main(argv=None):
   args = parse_args(argv)
   res = run(args)
+  if jax.process_index() != 0:
+    return
   print(f"final eval loss {res['final_eval_loss']:.4f}  ppl {res['final_eval_ppl']:.2f}  "
         f"optimizer state {res['state_mb']:.2f} MB  ->  {args.out}/metrics.csv")
 

@@ -55,7 +55,8 @@ _SIDES = ("left", "right", "both", "smaller")
 
 class RotateState(NamedTuple):
   """Per leaf: statistics, bases and (Shampoo) eigenvalues per side; a disabled side
-  holds zero-size arrays. ``inner_state`` is the state of the rotated transformation."""
+  (and unused eigenvalues) hold ``None``. ``inner_state`` is the state of the rotated
+  transformation."""
   count: jax.Array
   stats_left: optax.Updates
   stats_right: optax.Updates
@@ -101,7 +102,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     reexpress: names of ``inner``-state fields rotated into a new basis.
     permute: names of ``inner``-state fields permuted with the power-QR sort.
     eigenvalue_power: if set, scale ``G~`` by ``(lam_L,i lam_R,j)^power``
-      (Shampoo: -1/4); eigenvalues floored at ``stats_eps`` (or float32 tiny).
+      (Shampoo: -1/4); eigenvalues floored at ``max(stats_eps, d eps_f32 max(lam))``,
+      the resolution of a float32 eigh.
     stats_eps: statistics start at ``stats_eps * I`` (Shampoo's ``eps``), >= 0.
     max_precond_dim: sides larger than this are not rotated (``None``: no limit).
     dims: matrix axes per leaf.
@@ -130,13 +132,13 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       act = _active(v, sides, max_dim)[0 if side == "left" else 1]
       d = v.m if side == "left" else v.n
       if not act:
-        return jnp.zeros(v.batch_shape + ((0, 0) if kind != "eig" else (0,)), jnp.float32)
+        return None
       if kind == "stats":
         return jnp.broadcast_to(stats_eps * jnp.eye(d, dtype=jnp.float32), v.batch_shape + (d, d))
       if kind == "basis":
         return jnp.zeros(v.batch_shape + (d, d), jnp.float32)
       if eigenvalue_power is None:
-        return jnp.zeros(v.batch_shape + (0,), jnp.float32)
+        return None
       return jnp.ones(v.batch_shape + (d,), jnp.float32)
 
     mk = lambda side, kind: jax.tree.map(lambda p, v: side_arrays(p, v, side, kind), params, views)
@@ -151,16 +153,16 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   # ---------------------------------------------------------------- per matrix
 
   def stats_update(stat, g, side):
-    if stat.shape[-1] == 0:
-      return stat
+    if stat is None:
+      return None
     outer = g @ g.T if side == "left" else g.T @ g
     return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
 
   def side_refresh(stat, basis, first):
     """-> (new basis, eigenvalues, permutation, rotation new^T old)."""
+    if stat is None:
+      return None, None, None, None
     d = stat.shape[-1]
-    if d == 0:
-      return basis, jnp.zeros((0,)), jnp.zeros((0,), jnp.int32), basis
 
     def by_eigh():
       w, v = linalg.eigh_desc(stat)
@@ -180,27 +182,34 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     return new, w, idx, new.T @ basis
 
   def rot(x, bl, br):
-    if bl.shape[-1]:
+    if bl is not None:
       x = bl.T @ x
-    if br.shape[-1]:
+    if br is not None:
       x = x @ br
     return x
 
   def unrot(x, bl, br):
-    if bl.shape[-1]:
+    if bl is not None:
       x = bl @ x
-    if br.shape[-1]:
+    if br is not None:
       x = x @ br.T
     return x
+
+  def eig_floor(w):
+    """``max(stats_eps, d * eps_f32 * max(w))``: float32 eigh cannot resolve eigenvalues
+    below ~``d eps ||L||``; flooring them there makes the powers well defined (the same on
+    the whole unresolved subspace, whatever basis eigh picked for it)."""
+    rel = w.shape[-1] * jnp.finfo(jnp.float32).eps * jnp.max(w)
+    return jnp.maximum(w, jnp.maximum(jnp.maximum(jnp.asarray(stats_eps, jnp.float32), rel),
+                                      jnp.finfo(jnp.float32).tiny))
 
   def eig_scale(x, el, er):
     if eigenvalue_power is None:
       return x
-    floor = jnp.maximum(jnp.asarray(stats_eps, jnp.float32), jnp.finfo(jnp.float32).tiny)
-    if el.shape[-1]:
-      x = x * jnp.maximum(el, floor)[:, None] ** eigenvalue_power
-    if er.shape[-1]:
-      x = x * jnp.maximum(er, floor)[None, :] ** eigenvalue_power
+    if el is not None:
+      x = x * eig_floor(el)[:, None] ** eigenvalue_power
+    if er is not None:
+      x = x * eig_floor(er)[None, :] ** eigenvalue_power
     return x
 
   # ---------------------------------------------------------------- per leaf
@@ -212,15 +221,14 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       def yes():
         nl, wl, il, rl = side_refresh(sl1, bl1, first)
         nr, wr, ir, rr = side_refresh(sr1, br1, first)
-        wl = wl if el1.shape[-1] else el1
-        wr = wr if er1.shape[-1] else er1
+        wl = wl if el1 is not None else None
+        wr = wr if er1 is not None else None
         return nl, nr, wl, wr, il, ir, rl, rr
 
       def no():
-        il = jnp.arange(bl1.shape[-1])
-        ir = jnp.arange(br1.shape[-1])
-        return (bl1, br1, el1, er1, il, ir, jnp.eye(bl1.shape[-1], dtype=bl1.dtype),
-                jnp.eye(br1.shape[-1], dtype=br1.dtype))
+        eye = lambda b: None if b is None else jnp.eye(b.shape[-1], dtype=b.dtype)
+        ar = lambda b: None if b is None else jnp.arange(b.shape[-1])
+        return bl1, br1, el1, er1, ar(bl1), ar(br1), eye(bl1), eye(br1)
 
       return jax.lax.cond(do_refresh, yes, no)
 
@@ -253,7 +261,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
         fl = flat(tree)
         new = []
         for x, rl, rr, nb in zip(fl, rls, rrs, nbs):
-          new.append(routing.vmap_batch(lambda x1, a, b: rot(x1, a.T, b.T), nb)(x, rl, rr)
+          new.append(routing.vmap_batch(lambda x1, a, b: rot(x1, None if a is None else a.T, None if b is None else b.T), nb)(x, rl, rr)
                      .astype(x.dtype))
         inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
       for name in permute:
@@ -262,9 +270,9 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
         new = []
         for x, il, ir, nb in zip(fl, ils, irs, nbs):
           def perm(x1, i1, i2):
-            if i1.shape[-1]:
+            if i1 is not None:
               x1 = x1[i1, :]
-            if i2.shape[-1]:
+            if i2 is not None:
               x1 = x1[:, i2]
             return x1
           new.append(routing.vmap_batch(perm, nb)(x, il, ir))

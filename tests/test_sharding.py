@@ -1,0 +1,208 @@
+"""Sharded runs on an 8-device CPU mesh, state specs, orbax resume across meshes, and a
+2-process (multi-host) LLaMA run."""
+
+import csv
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import fisher_optax as fo
+from tests.test_optimizers import NAMED_KW
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+
+PARAMS = {"w": (16, 32), "wt": (32, 8), "stack": (2, 16, 32), "sq": (16, 16), "b": (16,)}
+SPECS = {"w": P("fsdp", "tensor"), "wt": P("fsdp", "tensor"), "stack": P(None, "fsdp", "tensor"),
+         "sq": P("fsdp", "tensor"), "b": P("tensor")}
+
+
+def _mesh(n=8):
+  return Mesh(np.array(jax.devices()[:n]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+def _params():
+  return {k: jax.random.normal(jax.random.PRNGKey(i), s) * 0.1
+          for i, (k, s) in enumerate(PARAMS.items())}
+
+
+def _grads(t):
+  return {k: jax.random.normal(jax.random.PRNGKey(100 + 7 * t + i), s)
+          for i, (k, s) in enumerate(PARAMS.items())}
+
+
+def _run(tx, steps, mesh=None, params=None, state=None, start=0):
+  params = _params() if params is None else params
+  if mesh is None:
+    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
+    state = tx.init(params) if state is None else state
+  else:
+    p_sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
+    s_sh = fo.state_shardings(tx, params, SPECS, mesh)
+    params = jax.device_put(params, p_sh)
+    state = jax.jit(tx.init, out_shardings=s_sh)(params) if state is None else \
+        jax.device_put(state, s_sh)
+    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g), in_shardings=(p_sh, s_sh, p_sh),
+                   out_shardings=(p_sh, s_sh))
+  for t in range(start, start + steps):
+    g = _grads(t)
+    if mesh is not None:
+      g = jax.device_put(g, {k: NamedSharding(mesh, v) for k, v in SPECS.items()})
+    params, state = step(params, state, g)
+  return params, state
+
+
+def _close_updates(got, want, what, tol=1e-3):
+  """Relative to the total parameter change: float32 reductions run in another order."""
+  p0 = _params()
+  for k in PARAMS:
+    d_want = np.asarray(want[k], np.float64) - np.asarray(p0[k], np.float64)
+    err = np.linalg.norm(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64))
+    assert err <= tol * np.linalg.norm(d_want), (what, k, err / np.linalg.norm(d_want))
+
+
+def _apply(tx, p, s, g):
+  u, s = tx.update(g, s, p)
+  return optax.apply_updates(p, u), s
+
+
+def _kw(name):
+  """SOAP's step-1 basis of a singular statistic (G^T G of a non-square G) is arbitrary in
+  its null space, so its last bits -- and with them the update -- depend on the reduction
+  order; with ``max_precond_dim=16`` every rotated side here is full-rank."""
+  return dict(NAMED_KW[name], **({"max_precond_dim": 16} if name == "soap" else {}))
+
+
+@pytest.mark.parametrize("name", list(NAMED_KW))
+def test_sharded_equals_single_device(name):
+  """5 steps (refreshes at 1, 3, 5) on a data x fsdp x tensor = 2 x 2 x 2 mesh."""
+  tx = getattr(fo, name)(0.01, **_kw(name))
+  single, _ = _run(tx, 5)
+  sharded, state = _run(tx, 5, mesh=_mesh())
+  _close_updates(sharded, single, name)
+  assert sharded["w"].sharding.spec == SPECS["w"]
+
+
+def test_state_specs_follow_parameter_axes():
+  tx = fo.alice(0.01, rank=4, leading=2)
+  specs = fo.state_partition_specs(tx, _params(), SPECS, mesh=_mesh())
+  get = lambda name: optax.tree_utils.tree_get(specs, name)
+  assert get("basis")["w"] == P("fsdp")                    # U: m x r, split like rows
+  assert get("basis")["wt"] == P("tensor")                 # tall: canonical m = columns
+  assert get("tracked")["w"] == P()                         # r x r replicated
+  assert get("p")["w"] == P("tensor")                       # n-vector split like columns
+  mu = optax.tree_utils.tree_get_all_with_path(specs, "mu")
+  coeff = [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+  assert coeff["w"] == P(None, "tensor") and coeff["stack"] == P(None, None, "tensor")
+  racs = fo.state_partition_specs(fo.racs(0.01), _params(), SPECS, mesh=_mesh())
+  assert optax.tree_utils.tree_get(racs, "q")["sq"] == P("fsdp")
+  assert optax.tree_utils.tree_get(racs, "s")["sq"] == P("tensor")
+
+
+def _per_device_bytes(state):
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("name", ["alice", "racs", "galore", "soap"])
+def test_per_device_state_bytes_fall_with_mesh_size(name):
+  tx = getattr(fo, name)(0.01, **NAMED_KW[name])
+  _, one = _run(tx, 1)
+  _, eight = _run(tx, 1, mesh=_mesh())
+  assert _per_device_bytes(eight) < 0.75 * _per_device_bytes(one)
+
+
+def _save(path, params, state):
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(path, {"params": params, "state": state})
+  ckpt.wait_until_finished()
+
+
+def _restore(path, params_like, state_like):
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          {"params": params_like, "state": state_like})
+  got = ocp.StandardCheckpointer().restore(path, abstract)
+  return got["params"], got["state"]
+
+
+@pytest.mark.parametrize("name", ["alice", "soap"])
+def test_orbax_resume_mid_interval_same_and_other_mesh(tmp_path, name):
+  kw = _kw(name)
+  kw.update(interval=4) if "interval" in kw else kw.update(precondition_frequency=4)
+  tx = getattr(fo, name)(0.01, **kw)
+  mesh = _mesh()
+  p2, s2 = _run(tx, 2, mesh=mesh)               # stop in the middle of a refresh interval
+  _save(tmp_path / "ck8", p2, s2)
+  full, _ = _run(tx, 4, mesh=mesh, params=p2, state=s2, start=2)
+  # same mesh: bit-identical continuation
+  rp, rs = _restore(tmp_path / "ck8", p2, s2)
+  resumed, _ = _run(tx, 4, mesh=mesh, params=rp, state=rs, start=2)
+  for k in PARAMS:
+    np.testing.assert_array_equal(np.asarray(resumed[k]), np.asarray(full[k]))
+  # 8 devices -> 1 device
+  one_p = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), p2)
+  one_s = jax.tree.map(lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), s2)
+  rp1, rs1 = _restore(tmp_path / "ck8", one_p, one_s)
+  assert rp1["w"].sharding.device_set == {jax.devices()[0]}
+  cont1, s_one = _run(tx, 4, params=rp1, state=rs1, start=2)
+  _close_updates(cont1, full, "8->1")
+  # 1 device -> 8 devices
+  _save(tmp_path / "ck1", rp1, rs1)
+  p_sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
+  s_sh = fo.state_shardings(tx, p2, SPECS, mesh)
+  rp8, rs8 = _restore(tmp_path / "ck1", jax.device_put(rp1, p_sh), jax.device_put(rs1, s_sh))
+  cont8, _ = _run(tx, 4, mesh=mesh, params=rp8, state=rs8, start=2)
+  _close_updates(cont8, full, "1->8")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_process_llama_matches_single_process(tmp_path):
+  """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices."""
+  common = ["--preset", "tiny", "--optimizer", "alice", "--steps", "4", "--eval-every", "2",
+            "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
+            "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "0",
+            "--mesh", "2,2,2"]
+  script = str(ROOT / "examples" / "llama" / "train.py")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "single")],
+                 env=env, check=True, capture_output=True, timeout=600)
+  env4 = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, script, *common, "--out", str(tmp_path / "multi"),
+                             "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                             "--process-id", str(i)], env=env4, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT) for i in range(2)]
+  for p in procs:
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out.decode()[-3000:]
+  read = lambda d: list(csv.DictReader((tmp_path / d / "metrics.csv").open()))
+  single, multi = read("single"), read("multi")
+  assert [r["step"] for r in multi] == ["2", "4"]
+  for a, b in zip(single, multi):
+    for col in ("train_loss", "eval_loss"):
+      assert abs(float(a[col]) - float(b[col])) < 1e-4, (col, a, b)
+
+
+@pytest.mark.parametrize("name", list(NAMED_KW))
+def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
+  tx = getattr(fo, name)(0.01, **NAMED_KW[name])
+  params, state = _run(tx, 2)
+  _save(tmp_path / "ck", params, state)
+  rp, rs = _restore(tmp_path / "ck", params, state)
+  for a, b in zip(jax.tree.leaves(rs), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert jax.tree.structure(rs) == jax.tree.structure(state)
