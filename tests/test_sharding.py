@@ -206,3 +206,22 @@ def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
   for a, b in zip(jax.tree.leaves(rs), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert jax.tree.structure(rs) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("name", list(NAMED_KW))
+def test_no_host_transfers_inside_the_step(name):
+  """A compiled step (refresh included) makes no device<->host transfer."""
+  tx = getattr(fo, name)(0.01, **_kw(name))
+  mesh = _mesh()
+  p_sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
+  s_sh = fo.state_shardings(tx, _params(), SPECS, mesh)
+  params = jax.device_put(_params(), p_sh)
+  state = jax.jit(tx.init, out_shardings=s_sh)(params)
+  grads = [jax.device_put(_grads(t), p_sh) for t in range(3)]
+  step = jax.jit(lambda p, s, g: _apply(tx, p, s, g), in_shardings=(p_sh, s_sh, p_sh),
+                 out_shardings=(p_sh, s_sh))
+  step.lower(params, state, grads[0]).compile()
+  with jax.transfer_guard("disallow"):
+    for g in grads:
+      params, state = step(params, state, g)
+    jax.block_until_ready(params)
