@@ -15,7 +15,7 @@ from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomP
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
 from fisher_optax.optimizers import (alice, alice0, apollo, apollo_mini, eigen_adam, fira, galore,
                                      inject_hyperparams, racs, shampoo, soap)
-from fisher_optax.routing import MatrixDims, default_mask, path_mask
+from fisher_optax.routing import MatrixDims, default_mask, in_float32, path_mask
 
 __version__ = "0.1.0"
 
@@ -26,7 +26,7 @@ __all__ = [
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
     "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",
-    "MatrixDims", "default_mask", "path_mask",
+    "MatrixDims", "default_mask", "path_mask", "in_float32",
     "state_bytes", "state_numbers", "paper_state_numbers",
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",

@@ -3,7 +3,8 @@
 Each returns an ``optax.GradientTransformationExtraArgs`` that applies the
 structured rule to the leaves selected by ``mask`` (default: matrices, see
 :func:`fisher_optax.routing.default_mask`) and ``fallback`` (default
-``optax.adam(learning_rate)``) to the others. Defaults are the paper's 130M
+``optax.adam(learning_rate)`` run in float32, :func:`fisher_optax.routing.in_float32`)
+to the others. Defaults are the paper's 130M
 settings (App. "Experiment details").
 """
 
@@ -32,7 +33,7 @@ def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
 
 def _finish(structured: list, learning_rate, mask, dims, fallback):
   structured = optax.chain(*structured, optax.scale_by_learning_rate(learning_rate))
-  fallback = fallback if fallback is not None else optax.adam(learning_rate)
+  fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback)
 
 

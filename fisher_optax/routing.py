@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -216,6 +216,43 @@ def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
   if callable(mask):
     return mask(params)
   return mask
+
+
+def cast_like(x: jax.Array, dtype) -> jax.Array:
+  """``x.astype(dtype)``, saturating at the finite range of a narrower float dtype.
+
+  An update beyond float16's range (65504) is lost either way; saturating keeps it from
+  becoming ``inf`` and poisoning the parameters. NaN stays NaN (visible).
+  """
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x, -big, big)
+  return x.astype(dtype)
+
+
+class InFloat32State(NamedTuple):
+  inner_state: Any
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Runs ``inner`` in float32: its state is built from float32 copies of the params,
+  updates (and params) are cast to float32 on the way in and back to their own dtype on
+  the way out. ``optax.adam`` on float16 params otherwise keeps its second moment and
+  ``eps = 1e-8`` in float16, where a zero gradient gives 0/0 and ``g^2`` overflows."""
+  to32 = lambda t: jax.tree.map(
+      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+
+  def init_fn(params):
+    return InFloat32State(inner.init(to32(params)))
+
+  def update_fn(updates, state, params=None, **extra):
+    new, inner_state = optax.with_extra_args_support(inner).update(
+        to32(updates), state.inner_state, None if params is None else to32(params), **extra)
+    new = jax.tree.map(lambda n, u: cast_like(n, u.dtype), new, updates)
+    return new, InFloat32State(inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec,

@@ -83,7 +83,7 @@ def norm_growth_limiter(threshold: float = 1.01, *,
       eta, new_phi = limit_growth(_norm(u, view), phi, threshold)
       if view is not None:
         eta = view.from_canonical(eta[..., None, None])
-      return (u * eta).astype(u.dtype), new_phi
+      return routing.cast_like(u * eta, u.dtype), new_phi
 
     out = jax.tree.map(one, updates, state.phi, views, is_leaf=lambda x: x is None)
     new_updates = jax.tree.map(lambda _, o: o[0], updates, out)

@@ -225,7 +225,7 @@ def dense_low_rank(s: Subspace) -> jax.Array:
 
 def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
   """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
-  return s.view.from_canonical(canonical).astype(s.dtype)
+  return routing.cast_like(s.view.from_canonical(canonical), s.dtype)
 
 
 def project_back() -> optax.GradientTransformation:

@@ -115,8 +115,7 @@ def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformati
     del params
 
     def one(s):
-      out = s.grad * norm_ratio(s.coeffs, s.sigma, kind)
-      return low_rank.to_leaf(s, jnp.where(jnp.isfinite(out), out, 0.0))
+      return low_rank.to_leaf(s, s.grad * norm_ratio(s.coeffs, s.sigma, kind))
 
     return jax.tree.map(one, updates, is_leaf=low_rank.is_subspace), state
 

@@ -315,7 +315,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       out, sls, srs, bls, brs, els, ers, inner_state = jax.lax.cond(c == 0, first_step,
                                                                     later_step)
 
-    dense = [v.from_canonical(o).astype(g.dtype) for o, v, g in zip(out, v_leaves, leaves)]
+    dense = [routing.cast_like(v.from_canonical(o), g.dtype)
+             for o, v, g in zip(out, v_leaves, leaves)]
     un = treedef.unflatten
     return un(dense), RotateState(count=optax.safe_int32_increment(c), stats_left=un(sls),
                                   stats_right=un(srs), basis_left=un(bls), basis_right=un(brs),

@@ -20,7 +20,10 @@ Numerics (SPEC.md decisions):
     so the update is invariant to scaling ``G`` over 1e-15 .. 1e15 in float32.
   * ``eps`` is a *relative* floor: ``q`` is clamped at ``eps * max(q)`` and ``s`` at
     ``eps * max(s)`` (an absolute floor would break scale invariance).
-  * zero rows / columns / gradients give a zero (finite) update there, never NaN.
+  * zero rows / columns / gradients give a zero (finite) update there, never NaN;
+  * a non-finite gradient entry stays non-finite in the output (visible, as with
+    ``optax.adam``) and leaves ``s, q`` unchanged; wrap in ``optax.apply_if_finite``
+    to skip such steps.
 
 State per matrix: ``m + n`` numbers (the limiter's scalar is in
 :func:`fisher_optax.norm_growth_limiter`).
@@ -67,8 +70,10 @@ def _scale(g, s, q, eps):
   q_floor = eps * jnp.max(q)
   rs = linalg.safe_rsqrt(jnp.maximum(s, s_floor))
   rq = linalg.safe_rsqrt(jnp.maximum(q, q_floor))
-  out = g.astype(jnp.float32) * rq[:, None] * rs[None, :]
-  return jnp.where(jnp.isfinite(out), out, 0.0)
+  g = g.astype(jnp.float32)
+  big = jnp.finfo(jnp.float32).max
+  out = jnp.nan_to_num(g * rq[:, None] * rs[None, :], nan=0.0, posinf=big, neginf=-big)
+  return jnp.where(jnp.isfinite(g), out, g)  # non-finite gradient entries stay visible
 
 
 def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
@@ -113,7 +118,7 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
 
       fn = routing.vmap_batch(per_matrix, len(view.batch_shape))
       out, s_t, q_t = fn(view.to_canonical(g), s, q)
-      return view.from_canonical(out).astype(g.dtype), s_t, q_t
+      return routing.cast_like(view.from_canonical(out), g.dtype), s_t, q_t
 
     res = jax.tree.map(one, updates, state.s, state.q, views)
     pick = lambda i: jax.tree.map(lambda _, r: r[i], updates, res)
