@@ -1,0 +1,107 @@
+"""Time the jitted optimizer update alone against optax.adam, in the same process.
+
+    python benchmarks/step_time.py [--preset 60M] [--reps 20] [--json]
+
+For the parameter shapes of a LLaMA preset (float32), each optimizer's jitted
+``update`` (gradients -> updates and new state) is timed on an ordinary step and on a
+refresh step (a step whose count triggers the subspace/eigenbasis refresh), interleaved
+with ``optax.adam`` in rounds, several repetitions, medians. Printed per optimizer: the
+ratio to Adam of an ordinary step, of a refresh step, and amortised over the refresh
+interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from examples.llama import presets
+from examples.llama.model import Llama
+
+OPTIMIZERS = ("racs", "alice", "alice0", "galore", "fira", "apollo", "apollo_mini",
+              "eigen_adam", "soap", "shampoo")
+
+
+def interval_of(name: str, preset: str) -> int:
+  return {"eigen_adam": 10, "soap": 10, "shampoo": 10, "racs": 1}.get(
+      name, presets.LOW_RANK[preset][2])
+
+
+def setup(name: str, preset: str):
+  cfg = presets.model_config(preset)
+  params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
+  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3)
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), p.shape, p.dtype) * 1e-2,
+                       params)
+  step = jax.jit(tx.update)
+  t0 = time.perf_counter()
+  state = tx.init(params)
+  step = step.lower(grads, state, params).compile()
+  compile_s = time.perf_counter() - t0
+  u, state = step(grads, state, params)          # step 1 (a refresh for every method)
+  jax.block_until_ready(u)
+  return step, grads, state, params, compile_s
+
+
+def time_call(step, grads, state, params) -> float:
+  t0 = time.perf_counter()
+  u, s = step(grads, state, params)
+  jax.block_until_ready((u, s))
+  return time.perf_counter() - t0
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="60M", choices=list(presets.MODELS))
+  ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args()
+  names = [n for n in args.optimizers.split(",") if n]
+  adam = setup("adam", args.preset)
+  results = []
+  for name in names:
+    step, grads, state, params, compile_s = setup(name, args.preset)
+    k = interval_of(name, args.preset)
+    # states just before an ordinary step (count 1) and just before a refresh (count k)
+    ordinary_state = state
+    refresh_state = _with_count(state, k)
+    t_adam, t_ord, t_ref = [], [], []
+    for _ in range(args.reps):  # interleaved rounds
+      t_adam.append(time_call(adam[0], adam[1], adam[2], adam[3]))
+      t_ord.append(time_call(step, grads, ordinary_state, params))
+      t_ref.append(time_call(step, grads, refresh_state, params))
+    a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
+    amort = ((k - 1) * o + r) / k
+    results.append(dict(optimizer=name, preset=args.preset, adam_ms=a * 1e3, ordinary_ms=o * 1e3,
+                        refresh_ms=r * 1e3, interval=k, ratio_ordinary=o / a,
+                        ratio_refresh=r / a, ratio_amortised=amort / a,
+                        compile_s=compile_s, adam_compile_s=adam[4]))
+    if not args.json:
+      print(f"{name:12s} ordinary {o / a:6.2f}x  refresh {r / a:7.2f}x  amortised(K={k}) "
+            f"{amort / a:6.2f}x  compile {compile_s:5.1f}s (adam {adam[4]:.1f}s)  "
+            f"[adam {a * 1e3:.1f} ms]", flush=True)
+  if args.json:
+    print(json.dumps(results, indent=2))
+
+
+def _with_count(state, k):
+  """Sets every scalar int32 step counter to ``k`` (the next update is step k + 1)."""
+  return jax.tree.map(lambda x: jnp.asarray(k, x.dtype)
+                      if (x.dtype == jnp.int32 and x.shape == ()) else x, state)
+
+
+if __name__ == "__main__":
+  main()

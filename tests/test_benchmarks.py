@@ -1,0 +1,30 @@
+"""The benchmark scripts run, and the paper's memory table is reproduced."""
+
+import subprocess
+import sys
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import memory  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["adam", "galore", "fira", "apollo_mini", "racs", "alice0",
+                                  "alice"])
+def test_paper_memory_table_reproduced(name):
+  """Within 2% (plus the paper's rounding to 0.01 GiB) for 60M and 130M."""
+  rows = memory.table((name,), ("60M", "130M"))
+  for r in rows:
+    for ours, paper in [(r["mem"], r["paper_mem"]), (r["mem_star"], r["paper_mem_star"])]:
+      if paper is not None:
+        assert abs(ours - paper) <= 0.02 * paper + 0.005, (name, r)
+
+
+def test_step_time_benchmark_runs_on_tiny():
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
+                        "tiny", "--optimizers", "racs,alice", "--reps", "2", "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+  assert '"ratio_amortised"' in out.stdout
