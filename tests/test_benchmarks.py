@@ -28,3 +28,11 @@ def test_step_time_benchmark_runs_on_tiny():
                         "tiny", "--optimizers", "racs,alice", "--reps", "2", "--json"],
                        capture_output=True, text=True, timeout=600, check=True)
   assert '"ratio_amortised"' in out.stdout
+
+
+def test_train_throughput_benchmark_runs_on_tiny():
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"),
+                        "--preset", "tiny", "--optimizers", "racs", "--steps", "1",
+                        "--rounds", "1", "--batch-size", "2", "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+  assert '"ratio_to_adam"' in out.stdout

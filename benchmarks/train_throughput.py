@@ -1,0 +1,84 @@
+"""Full LLaMA train-step throughput (tokens/s) of optimizers vs optax.adam, interleaved.
+
+    python benchmarks/train_throughput.py --preset small --optimizers racs,alice [--rounds 5]
+
+Builds the example's jitted train step (forward, backward, optimizer update; buffers
+donated) for Adam and each optimizer in one process, then times ``--steps`` steps of each
+in interleaved rounds (adam, opt1, opt2, adam, ...) on the same batches and prints the
+median tokens/s and its ratio to Adam's. Compilation is excluded (ahead-of-time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples.llama import data as data_lib
+from examples.llama import train as train_lib
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="small")
+  ap.add_argument("--optimizers", default="racs,alice")
+  ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--batch-size", type=int, default=None)
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args()
+  names = ["adam"] + [n for n in args.optimizers.split(",") if n and n != "adam"]
+  runs = {}
+  for name in names:
+    targs = train_lib.parse_args(["--preset", args.preset, "--optimizer", name, "--steps", "1000"]
+                                 + (["--batch-size", str(args.batch_size)]
+                                    if args.batch_size else []))
+    setup = train_lib.build(targs)
+    params = train_lib.init_params(setup, 0)
+    state = setup.tx.init(params)
+    step, _ = train_lib.make_steps(setup)
+    ctx = setup.cfg.context
+    x, y = data_lib.train_batch(setup.corpus.train_ids, 0, 0, setup.batch_size, ctx)
+    xs, ys = jnp.asarray(x[None]), jnp.asarray(y[None])
+    t0 = time.perf_counter()
+    step = step.lower(params, state, xs, ys).compile()
+    compile_s = time.perf_counter() - t0
+    params, state, loss = step(params, state, xs, ys)  # warm-up (also step 1's refresh)
+    jax.block_until_ready(loss)
+    runs[name] = dict(step=step, params=params, state=state, xs=xs, ys=ys, times=[],
+                      tokens=setup.batch_size * ctx, compile_s=compile_s)
+  for _ in range(args.rounds):
+    for name in names:
+      r = runs[name]
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        r["params"], r["state"], loss = r["step"](r["params"], r["state"], r["xs"], r["ys"])
+      jax.block_until_ready(loss)
+      r["times"].append((time.perf_counter() - t0) / args.steps)
+  adam_tps = runs["adam"]["tokens"] / statistics.median(runs["adam"]["times"])
+  out = []
+  for name in names:
+    r = runs[name]
+    tps = r["tokens"] / statistics.median(r["times"])
+    out.append(dict(optimizer=name, preset=args.preset, tokens_per_s=tps,
+                    ratio_to_adam=tps / adam_tps, compile_s=r["compile_s"],
+                    step_ms=1e3 * statistics.median(r["times"])))
+    if not args.json:
+      print(f"{name:10s} {tps:9,.0f} tok/s  {tps / adam_tps:6.1%} of Adam  "
+            f"step {1e3 * statistics.median(r['times']):7.1f} ms  compile {r['compile_s']:.1f}s",
+            flush=True)
+  if args.json:
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+  main()
