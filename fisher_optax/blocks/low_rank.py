@@ -131,55 +131,32 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
     q_leaves = treedef.flatten_up_to(state.tracked) if has_tracking else [None] * len(leaves)
     v_leaves = treedef.flatten_up_to(views)
 
-    # Canonical float32 arrays per leaf, flattened to [matrices, ...].
-    gcs, flat_u, flat_q, flat_k = [], [], [], []
+    out, new_u, new_q = [], [], []
     for i, (g, u_old, q_old, view) in enumerate(zip(leaves, u_leaves, q_leaves, v_leaves)):
       gc = view.to_canonical(g).astype(jnp.float32)
-      gcs.append(gc)
-      m, n, r = gc.shape[-2], gc.shape[-1], u_old.shape[-1]
-      flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
-      flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
-      flat_k.append(switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
-                    .reshape(-1, *state.key.shape) if policy.random else None)
+      u_old = u_old.astype(jnp.float32)
+      q_old = q_old.astype(jnp.float32) if q_old is not None else None
+      r = u_old.shape[-1]
+      nb = len(view.batch_shape)
 
-    def refresh_matrix(g1, u1, q1, k1):
-      r = u1.shape[-1]
-      u_new = jax.lax.cond(is_first, lambda: policy.first(g1, r),
-                           lambda: policy.refresh(g1, u1, q1, tracking, k1))
-      u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
-      if q1 is None:
-        return u_new, None
-      rot = u_new.T @ u1
-      return u_new, rot @ q1 @ rot.T
+      def refreshed(gc=gc, u_old=u_old, q_old=q_old, i=i, r=r, nb=nb, view=view):
+        keys = (switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
+                if policy.random else None)
 
-    # Same-shape matrices (e.g. every layer's q_proj) share one batched refresh under
-    # one lax.cond: one decomposition call per shape instead of one per leaf.
-    groups: dict = {}
-    for i, (gc, u1) in enumerate(zip(gcs, flat_u)):
-      groups.setdefault((gc.shape[-2:], u1.shape[-1]), []).append(i)
-    new_flat_u, new_flat_q = list(flat_u), list(flat_q)
-    for idx in groups.values():
-      sizes = [flat_u[i].shape[0] for i in idx]
-      cat = lambda xs: None if xs[0] is None else jnp.concatenate(xs, axis=0)
-      g_all = cat([gcs[i].reshape(-1, *gcs[i].shape[-2:]) for i in idx])
-      u_all, q_all = cat([flat_u[i] for i in idx]), cat([flat_q[i] for i in idx])
-      k_all = cat([flat_k[i] for i in idx])
-      u_all, q_all = jax.lax.cond(
-          do_refresh, lambda: jax.vmap(refresh_matrix)(g_all, u_all, q_all, k_all),
-          lambda: (u_all, q_all))
-      offsets = np.cumsum([0] + sizes)
-      for j, i in enumerate(idx):
-        new_flat_u[i] = u_all[offsets[j]:offsets[j + 1]]
-        if q_all is not None:
-          new_flat_q[i] = q_all[offsets[j]:offsets[j + 1]]
+        def one(g1, u1, q1, k1):
+          u_new = jax.lax.cond(is_first, lambda: policy.first(g1, r),
+                               lambda: policy.refresh(g1, u1, q1, tracking, k1))
+          u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
+          if q1 is None:
+            return u_new, None
+          rot = u_new.T @ u1
+          return u_new, rot @ q1 @ rot.T
 
-    out, new_u, new_q = [], [], []
-    for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
-                                        new_flat_q):
-      u = u.reshape(u_old.shape)
+        return routing.vmap_batch(one, nb)(gc, u_old, q_old, keys)
+
+      u, q = jax.lax.cond(do_refresh, refreshed, lambda u_old=u_old, q_old=q_old: (u_old, q_old))
       sigma = jnp.swapaxes(u, -1, -2) @ gc
       if q is not None:
-        q = q.reshape(view.batch_shape + q.shape[-2:])
         q = tracking * q + (1 - tracking) * (sigma @ jnp.swapaxes(sigma, -1, -2))
         new_q.append(q.astype(sdtype))
       new_u.append(u.astype(sdtype))
