@@ -26,8 +26,9 @@ from fisher_optax import routing
 def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
   """Returns ``(eta, new_phi)`` for the current norm and the previous ``phi``.
 
-  Non-finite norms leave ``phi`` unchanged and give ``eta = 0``... unless ``phi``
-  is 0, in which case there is no reference yet and ``eta = 1``.
+  A non-finite norm leaves ``phi`` unchanged; with ``phi > 0`` it gives ``eta = 0``
+  for ``inf`` and ``eta = NaN`` for NaN (the bad step stays visible); while ``phi = 0``
+  there is no reference yet and ``eta = 1``.
   """
   norm = norm.astype(jnp.float32)
   safe_phi = jnp.where(phi > 0, phi, 1.0)
