@@ -77,7 +77,7 @@ def main():
     k = interval_of(name, args.preset)
     # states just before an ordinary step (count 1) and just before a refresh (count k)
     ordinary_state = state
-    refresh_state = _with_count(state, k)
+    refresh_state = with_count(state, k)
     t_adam, t_ord, t_ref = [], [], []
     for _ in range(args.reps):  # interleaved rounds
       t_adam.append(time_call(adam[0], adam[1], adam[2], adam[3]))
@@ -97,7 +97,7 @@ def main():
     print(json.dumps(results, indent=2))
 
 
-def _with_count(state, k):
+def with_count(state, k):
   """Sets every scalar int32 step counter to ``k`` (the next update is step k + 1)."""
   return jax.tree.map(lambda x: jnp.asarray(k, x.dtype)
                       if (x.dtype == jnp.int32 and x.shape == ()) else x, state)

@@ -5,7 +5,11 @@
 Builds the example's jitted train step (forward, backward, optimizer update; buffers
 donated) for Adam and each optimizer in one process, then times ``--steps`` steps of each
 in interleaved rounds (adam, opt1, opt2, adam, ...) on the same batches and prints the
-median tokens/s and its ratio to Adam's. Compilation is excluded (ahead-of-time).
+median tokens/s and its ratio to Adam's. Each round also times one refresh step of every
+optimizer that has one (its state's step counters set to the refresh interval ``K``, on
+copies, since the step donates its inputs); the amortised throughput counts one refresh
+per ``K`` steps: ``tokens / (((K - 1) * ordinary + refresh) / K)``. Compilation is
+excluded (ahead-of-time).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.step_time import interval_of, with_count
 from examples.llama import data as data_lib
 from examples.llama import train as train_lib
 
@@ -54,8 +59,10 @@ def main():
     compile_s = time.perf_counter() - t0
     params, state, loss = step(params, state, xs, ys)  # warm-up (also step 1's refresh)
     jax.block_until_ready(loss)
+    k = 1 if name == "adam" else interval_of(name, args.preset)
     runs[name] = dict(step=step, params=params, state=state, xs=xs, ys=ys, times=[],
-                      tokens=setup.batch_size * ctx, compile_s=compile_s)
+                      refresh_times=[], interval=k, tokens=setup.batch_size * ctx,
+                      compile_s=compile_s)
   for _ in range(args.rounds):
     for name in names:
       r = runs[name]
@@ -64,17 +71,33 @@ def main():
         r["params"], r["state"], loss = r["step"](r["params"], r["state"], r["xs"], r["ys"])
       jax.block_until_ready(loss)
       r["times"].append((time.perf_counter() - t0) / args.steps)
-  adam_tps = runs["adam"]["tokens"] / statistics.median(runs["adam"]["times"])
+      if r["interval"] > 1:  # one refresh step, on copies (the step donates its inputs)
+        p2, s2 = jax.tree.map(jnp.copy, (r["params"], with_count(r["state"], r["interval"])))
+        jax.block_until_ready((p2, s2))
+        t0 = time.perf_counter()
+        jax.block_until_ready(r["step"](p2, s2, r["xs"], r["ys"]))
+        r["refresh_times"].append(time.perf_counter() - t0)
+  def speeds(r):
+    ordinary = statistics.median(r["times"])
+    refresh = statistics.median(r["refresh_times"]) if r["refresh_times"] else ordinary
+    amortised = ((r["interval"] - 1) * ordinary + refresh) / r["interval"]
+    return r["tokens"] / ordinary, r["tokens"] / amortised, refresh
+
+  adam_tps, adam_amort, _ = speeds(runs["adam"])
   out = []
   for name in names:
     r = runs[name]
-    tps = r["tokens"] / statistics.median(r["times"])
+    tps, amort, refresh = speeds(r)
     out.append(dict(optimizer=name, preset=args.preset, tokens_per_s=tps,
-                    ratio_to_adam=tps / adam_tps, compile_s=r["compile_s"],
+                    ratio_to_adam=tps / adam_tps, refresh_step_ms=1e3 * refresh,
+                    interval=r["interval"], amortised_tokens_per_s=amort,
+                    amortised_ratio_to_adam=amort / adam_amort, compile_s=r["compile_s"],
                     step_ms=1e3 * statistics.median(r["times"])))
     if not args.json:
       print(f"{name:10s} {tps:9,.0f} tok/s  {tps / adam_tps:6.1%} of Adam  "
-            f"step {1e3 * statistics.median(r['times']):7.1f} ms  compile {r['compile_s']:.1f}s",
+            f"step {1e3 * statistics.median(r['times']):7.1f} ms  "
+            f"refresh step {1e3 * refresh:7.1f} ms  amortised(K={r['interval']}) "
+            f"{amort:9,.0f} tok/s {amort / adam_amort:6.1%}  compile {r['compile_s']:.1f}s",
             flush=True)
   if args.json:
     print(json.dumps(out, indent=2))

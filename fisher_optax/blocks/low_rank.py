@@ -17,9 +17,18 @@ re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``tracking=0``
 (Alice-0, GaLore) stores no ``r x r`` state.
 
 Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...; SPEC.md),
-under ``lax.cond`` inside the compiled step, with the policy given as
-``refresh=`` (:mod:`fisher_optax.blocks.switching`). A refresh that produces a
-non-finite basis keeps the previous one.
+inside the compiled step, with the policy given as ``refresh=``
+(:mod:`fisher_optax.blocks.switching`). A refresh that produces a non-finite basis
+keeps the previous one.
+
+Cost (what makes the hot path fast): an ordinary step is two batched matmuls per
+matrix (``U^T G``, and ``sigma sigma^T`` when tracking), ``O(mnr)``. All refreshes of
+the tree sit in one ``lax.switch`` (keep / first / refresh), so ordinary steps
+run none of their code; inside it, same-shape matrices (every layer's ``q_proj``,
+stack entries) are concatenated and served by one decomposition call per shape
+(:func:`fisher_optax.linalg.map_matrices`), which also keeps compile time flat in
+the number of layers. ``Q`` (``m x m``) is never formed: the switching policy
+applies it as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) G (G^T U)``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import routing
+from fisher_optax import linalg, routing
 from fisher_optax.blocks import switching as switching_lib
 
 
@@ -131,32 +140,70 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
     q_leaves = treedef.flatten_up_to(state.tracked) if has_tracking else [None] * len(leaves)
     v_leaves = treedef.flatten_up_to(views)
 
-    out, new_u, new_q = [], [], []
+    # Canonical float32 arrays per leaf, flattened to [matrices, ...].
+    gcs, flat_u, flat_q, flat_k = [], [], [], []
     for i, (g, u_old, q_old, view) in enumerate(zip(leaves, u_leaves, q_leaves, v_leaves)):
       gc = view.to_canonical(g).astype(jnp.float32)
-      u_old = u_old.astype(jnp.float32)
-      q_old = q_old.astype(jnp.float32) if q_old is not None else None
-      r = u_old.shape[-1]
-      nb = len(view.batch_shape)
+      gcs.append(gc)
+      m, n, r = gc.shape[-2], gc.shape[-1], u_old.shape[-1]
+      flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
+      flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
+      flat_k.append(switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
+                    .reshape(-1, *state.key.shape) if policy.random else None)
 
-      def refreshed(gc=gc, u_old=u_old, q_old=q_old, i=i, r=r, nb=nb, view=view):
-        keys = (switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
-                if policy.random else None)
+    def finish(u_new, u1, q1):
+      u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
+      if q1 is None:
+        return u_new, None
+      rot = u_new.T @ u1
+      return u_new, rot @ q1 @ rot.T
 
-        def one(g1, u1, q1, k1):
-          u_new = jax.lax.cond(is_first, lambda: policy.first(g1, r),
-                               lambda: policy.refresh(g1, u1, q1, tracking, k1))
-          u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
-          if q1 is None:
-            return u_new, None
-          rot = u_new.T @ u1
-          return u_new, rot @ q1 @ rot.T
+    def first_matrix(g1, u1, q1, k1):
+      del k1
+      return finish(policy.first(g1, u1.shape[-1]), u1, q1)
 
-        return routing.vmap_batch(one, nb)(gc, u_old, q_old, keys)
+    def refresh_matrix(g1, u1, q1, k1):
+      return finish(policy.refresh(g1, u1, q1, tracking, k1), u1, q1)
 
-      u, q = jax.lax.cond(do_refresh, refreshed, lambda u_old=u_old, q_old=q_old: (u_old, q_old))
+    # Same-shape matrices (e.g. every layer's q_proj) are stacked so that one
+    # decomposition call (linalg.map_matrices) serves them, and one lax.switch
+    # (keep / first refresh / refresh) holds every refresh of the tree. Stacking happens
+    # inside the refresh branches, so an ordinary step copies nothing.
+    groups: dict = {}
+    for i, (gc, u1) in enumerate(zip(gcs, flat_u)):
+      groups.setdefault((gc.shape[-2:], u1.shape[-1]), []).append(i)
+    groups = list(groups.values())
+
+    def branch(fn):
+      def run(ops):
+        g_l, u_l, q_l, k_l = ops
+        new_u_l, new_q_l = list(u_l), list(q_l)
+        for idx in groups:
+          cat = lambda xs: None if xs[0] is None else jnp.concatenate(xs, axis=0)
+          u_all, q_all = linalg.map_matrices(
+              fn, cat([g_l[i].reshape(-1, *g_l[i].shape[-2:]) for i in idx]),
+              cat([u_l[i] for i in idx]), cat([q_l[i] for i in idx]),
+              cat([k_l[i] for i in idx]))
+          offsets = np.cumsum([0] + [u_l[i].shape[0] for i in idx])
+          for j, i in enumerate(idx):
+            new_u_l[i] = u_all[offsets[j]:offsets[j + 1]]
+            if q_all is not None:
+              new_q_l[i] = q_all[offsets[j]:offsets[j + 1]]
+        return new_u_l, new_q_l
+      return run
+
+    which = jnp.where(do_refresh, jnp.where(is_first, 1, 2), 0)
+    new_flat_u, new_flat_q = jax.lax.switch(
+        which, [lambda ops: (ops[1], ops[2]), branch(first_matrix), branch(refresh_matrix)],
+        (gcs, flat_u, flat_q, flat_k))
+
+    out, new_u, new_q = [], [], []
+    for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
+                                        new_flat_q):
+      u = u.reshape(u_old.shape)
       sigma = jnp.swapaxes(u, -1, -2) @ gc
       if q is not None:
+        q = q.reshape(view.batch_shape + q.shape[-2:])
         q = tracking * q + (1 - tracking) * (sigma @ jnp.swapaxes(sigma, -1, -2))
         new_q.append(q.astype(sdtype))
       new_u.append(u.astype(sdtype))

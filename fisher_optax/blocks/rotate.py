@@ -29,6 +29,14 @@ Refresh methods: ``"eigh"`` (exact, descending) or ``"power_qr"`` (SOAP: sort th
 old basis by the estimated eigenvalues ``diag(U^T L U)``, one power iteration
 ``QR(L U)``). The first refresh is always ``eigh``.
 
+Cost: an ordinary step is the statistics update (``G G^T``/``G^T G``) and the two
+rotations per side, all batched matmuls. Every refresh of the tree sits in one
+``lax.switch`` (keep / eigh / power-QR), together with the re-expression and
+permutation of the inner state, so ordinary steps do no basis arithmetic; inside
+it the statistics of equal size (across leaves, stack entries and sides) are
+stacked and served by one decomposition call per size
+(:func:`fisher_optax.linalg.map_matrices`).
+
 State of ``inner`` on a basis change (explicit, by field name):
 
 * ``reexpress=("mu",)``: those fields are rotated into the new basis,
@@ -45,6 +53,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import tree_utils as otu
 
@@ -158,24 +167,15 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     outer = g @ g.T if side == "left" else g.T @ g
     return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
 
-  def side_refresh(stat, basis, first):
-    """-> (new basis, eigenvalues, permutation, rotation new^T old)."""
-    if stat is None:
-      return None, None, None, None
+  def side_refresh(stat, basis, use_eigh):
+    """One side of one matrix -> (new basis, eigenvalues, permutation, new^T old)."""
     d = stat.shape[-1]
-
-    def by_eigh():
-      w, v = linalg.eigh_desc(stat)
-      return v, w, jnp.arange(d)
-
-    def by_power_qr():
-      q, idx = _power_qr(stat, basis)
-      return q, jnp.diagonal(q.T @ stat @ q), idx
-
-    if refresh == "eigh":
-      new, w, idx = by_eigh()
+    if use_eigh:
+      w, new = linalg.eigh_desc(stat)
+      idx = jnp.arange(d)
     else:
-      new, w, idx = jax.lax.cond(first, by_eigh, by_power_qr)
+      new, idx = _power_qr(stat, basis)
+      w = jnp.diagonal(new.T @ stat @ new)
     ok = jnp.all(jnp.isfinite(new))
     new = jnp.where(ok, new, basis)
     idx = jnp.where(ok, idx, jnp.arange(d))
@@ -212,28 +212,6 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       x = x * eig_floor(er)[None, :] ** eigenvalue_power
     return x
 
-  # ---------------------------------------------------------------- per leaf
-
-  def refresh_leaf(g, sl, sr, bl, br, el, er, first, do_refresh, nb):
-    """Statistics are already updated. Returns new bases, eigs, perms, rotations."""
-
-    def one(sl1, sr1, bl1, br1, el1, er1):
-      def yes():
-        nl, wl, il, rl = side_refresh(sl1, bl1, first)
-        nr, wr, ir, rr = side_refresh(sr1, br1, first)
-        wl = wl if el1 is not None else None
-        wr = wr if er1 is not None else None
-        return nl, nr, wl, wr, il, ir, rl, rr
-
-      def no():
-        eye = lambda b: None if b is None else jnp.eye(b.shape[-1], dtype=b.dtype)
-        ar = lambda b: None if b is None else jnp.arange(b.shape[-1])
-        return bl1, br1, el1, er1, ar(bl1), ar(br1), eye(bl1), eye(br1)
-
-      return jax.lax.cond(do_refresh, yes, no)
-
-    return routing.vmap_batch(one, nb)(sl, sr, bl, br, el, er)
-
   def update_fn(updates, state, params=None):
     del params
     views = _views(updates)
@@ -251,33 +229,74 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
         out_r.append(routing.vmap_batch(lambda s, g: stats_update(s, g, "right"), nb)(sr, gc))
       return out_l, out_r
 
-    def refresh_all(gcs, sls, srs, bls, brs, els, ers, nbs, first, do_refresh, inner_state):
-      res = [refresh_leaf(*a, first, do_refresh, nb)
-             for *a, nb in zip(gcs, sls, srs, bls, brs, els, ers, nbs)]
-      bls, brs, els, ers, ils, irs, rls, rrs = map(list, zip(*res)) if res else ([],) * 8
-      # inner state on basis change: rotate / permute the named fields
-      for name in reexpress:
-        tree = otu.tree_get(inner_state, name)
-        fl = flat(tree)
-        new = []
-        for x, rl, rr, nb in zip(fl, rls, rrs, nbs):
-          new.append(routing.vmap_batch(lambda x1, a, b: rot(x1, None if a is None else a.T, None if b is None else b.T), nb)(x, rl, rr)
-                     .astype(x.dtype))
-        inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
-      for name in permute:
-        tree = otu.tree_get(inner_state, name)
-        fl = flat(tree)
-        new = []
-        for x, il, ir, nb in zip(fl, ils, irs, nbs):
-          def perm(x1, i1, i2):
-            if i1 is not None:
-              x1 = x1[i1, :]
-            if i2 is not None:
-              x1 = x1[:, i2]
-            return x1
-          new.append(routing.vmap_batch(perm, nb)(x, il, ir))
-        inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
-      return bls, brs, els, ers, inner_state
+    def refresh_all(sls, srs, bls, brs, els, ers, nbs, first, do_refresh, inner_state):
+      """Statistics are already updated -> new bases, eigenvalues and inner state.
+
+      Every active side of every leaf is a ``d x d`` statistic; those of equal ``d``
+      (across leaves, stack entries and sides) are stacked so that one decomposition
+      call (:func:`fisher_optax.linalg.map_matrices`) serves them, and all refreshes of
+      the tree sit in one ``lax.switch`` (keep / eigh / power-QR). The inner state is
+      re-expressed and permuted inside the refresh branches: ordinary steps do no
+      basis arithmetic at all.
+      """
+      groups: dict = {}
+      for i in range(len(sls)):
+        for side, st in (("l", sls[i]), ("r", srs[i])):
+          if st is not None:
+            groups.setdefault(st.shape[-1], []).append((i, side))
+
+      def refreshed(use_eigh, ops):
+        sls, srs, bls, brs, els, ers, inner_state = ops
+        res = {"l": [None] * len(sls), "r": [None] * len(sls)}  # (new, w, idx, rotation)
+        for d, members in groups.items():
+          stat = lambda i, side: (sls if side == "l" else srs)[i]
+          basis = lambda i, side: (bls if side == "l" else brs)[i]
+          outs = linalg.map_matrices(
+              lambda st, b: side_refresh(st, b, use_eigh),
+              jnp.concatenate([stat(*k).reshape(-1, d, d) for k in members]),
+              jnp.concatenate([basis(*k).reshape(-1, d, d) for k in members]))
+          start = 0
+          for i, side in members:
+            batch = stat(i, side).shape[:-2]
+            size = int(np.prod(batch, dtype=int))
+            res[side][i] = tuple(o[start:start + size].reshape(batch + o.shape[1:]) for o in outs)
+            start += size
+        pick = lambda side, j, old: [old[i] if r is None else r[j]
+                                     for i, r in enumerate(res[side])]
+        bls, brs = pick("l", 0, bls), pick("r", 0, brs)
+        if eigenvalue_power is not None:
+          els, ers = pick("l", 1, els), pick("r", 1, ers)
+        ils = [None if r is None else r[2] for r in res["l"]]
+        irs = [None if r is None else r[2] for r in res["r"]]
+        rls = [None if r is None else r[3] for r in res["l"]]
+        rrs = [None if r is None else r[3] for r in res["r"]]
+        # inner state on basis change: rotate / permute the named fields
+        for name in reexpress:
+          fl = flat(otu.tree_get(inner_state, name))
+          new = [routing.vmap_batch(
+              lambda x1, a, b: rot(x1, None if a is None else a.T, None if b is None else b.T),
+              nb)(x, rl, rr).astype(x.dtype) for x, rl, rr, nb in zip(fl, rls, rrs, nbs)]
+          inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
+        if not use_eigh:
+          for name in permute:
+            fl = flat(otu.tree_get(inner_state, name))
+            def perm(x1, i1, i2):
+              if i1 is not None:
+                x1 = x1[i1, :]
+              if i2 is not None:
+                x1 = x1[:, i2]
+              return x1
+            new = [routing.vmap_batch(perm, nb)(x, il, ir)
+                   for x, il, ir, nb in zip(fl, ils, irs, nbs)]
+            inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
+        return bls, brs, els, ers, inner_state
+
+      branches = [lambda ops: tuple(ops[2:]), lambda ops: refreshed(True, ops)]
+      which = jnp.where(do_refresh, 1, 0)
+      if refresh == "power_qr":
+        branches.append(lambda ops: refreshed(False, ops))
+        which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
+      return jax.lax.switch(which, branches, (sls, srs, bls, brs, els, ers, inner_state))
 
     gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
     nbs = [len(v.batch_shape) for v in v_leaves]
@@ -295,12 +314,12 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     if statistics == "before":
       sls, srs = stats_all(gcs, sls, srs, nbs)
       bls, brs, els, ers, inner_state = refresh_all(
-          gcs, sls, srs, bls, brs, els, ers, nbs, c == 0, (c % interval) == 0, inner_state)
+          sls, srs, bls, brs, els, ers, nbs, c == 0, (c % interval) == 0, inner_state)
       out, inner_state = rotated_update(bls, brs, els, ers, inner_state)
     else:
       def first_step():
         sl2, sr2 = stats_all(gcs, sls, srs, nbs)
-        bl2, br2, el2, er2, ist = refresh_all(gcs, sl2, sr2, bls, brs, els, ers, nbs,
+        bl2, br2, el2, er2, ist = refresh_all(sl2, sr2, bls, brs, els, ers, nbs,
                                               jnp.bool_(True), jnp.bool_(True), inner_state)
         zeros = [jnp.zeros_like(gc) for gc in gcs]
         return zeros, sl2, sr2, bl2, br2, el2, er2, ist
@@ -308,7 +327,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       def later_step():
         out, ist = rotated_update(bls, brs, els, ers, inner_state)
         sl2, sr2 = stats_all(gcs, sls, srs, nbs)
-        bl2, br2, el2, er2, ist = refresh_all(gcs, sl2, sr2, bls, brs, els, ers, nbs,
+        bl2, br2, el2, er2, ist = refresh_all(sl2, sr2, bls, brs, els, ers, nbs,
                                               jnp.bool_(False), (c % interval) == 0, ist)
         return out, sl2, sr2, bl2, br2, el2, er2, ist
 
