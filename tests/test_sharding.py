@@ -238,8 +238,7 @@ params["stack"] = jnp.ones((3, 48, 64))
 params = jax.device_put(params, rep)
 grads = jax.device_put(jax.tree.map(
     lambda p: jax.random.normal(jax.random.PRNGKey(0), p.shape), params), rep)
-for tx in [fo.alice(1e-3, rank=8, leading=2, interval=2), fo.alice0(1e-3, rank=8, leading=2, interval=2),
-           fo.galore(1e-3, rank=8, interval=2), fo.eigen_adam(1e-3, interval=2),
+for tx in [fo.alice(1e-3, rank=8, leading=2, interval=2), fo.galore(1e-3, rank=8, interval=2),
            fo.soap(1e-3, precondition_frequency=2)]:
   state, step = jax.jit(tx.init)(params), jax.jit(tx.update)
   for _ in range(4):
