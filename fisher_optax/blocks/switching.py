@@ -2,7 +2,7 @@
 
 A policy decides the new basis ``U`` (``m x r``, orthonormal) at a refresh step.
 They are plain frozen dataclasses (static configuration), not transformations:
-``low_rank_track(refresh=...)`` calls them inside its ``lax.cond`` refresh branch.
+``low_rank_track(refresh=...)`` calls them inside its refresh branch (a ``lax.switch``).
 
 * :func:`switch` -- paper Alg. "Subspace switching" (Sec. 5.2) on top of Alg.
   "Subspace iteration" (App.). With tracking decay ``b3`` and tracked
