@@ -8,7 +8,8 @@ import pytest
 
 import fisher_optax as fo
 from tests.conftest import structured_grads
-from tests.test_optimizers import LR, SHAPES, run_library, run_reference
+from tests.test_optimizers import (LR, SHAPES, TREE, check_tree_against_references,
+                                   run_library, run_reference)
 
 CONFIGS = {
     "eigen_adam": dict(interval=3),
@@ -37,6 +38,16 @@ def test_matches_dense_float64_reference(name, shape):
     scale = max(np.linalg.norm(b), 1e-12)
     err = np.linalg.norm(a - b) / scale
     assert err < 2e-4, f"{name} step {t}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tree_of_same_size_statistics_matches_dense_references(name):
+  """Statistics of equal size across leaves, stack entries and sides (6 x 6: a/d left,
+  b right, c left; 10 x 10 likewise) share one decomposition call; every leaf still
+  follows its own dense reference over 8 steps with refreshes. SOAP on square leaves
+  (see above)."""
+  tree = TREE if name != "soap" else {"a": (6, 6), "b": (10, 10), "c": (3, 6, 6), "d": (6, 6)}
+  check_tree_against_references(name, tree, CONFIGS[name], CONFIGS[name], 8, 2e-4)
 
 
 def test_soap_first_step_makes_no_update():
