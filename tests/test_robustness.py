@@ -102,20 +102,23 @@ def test_nan_gradients_visible_unwrapped_and_skipped_with_apply_if_finite(name):
 
 
 def test_failed_decomposition_keeps_previous_basis(monkeypatch):
-  """eigh returning NaN at a refresh: rotate and low_rank_track keep their bases."""
+  """eigh returning NaN at a refresh: rotate and low_rank_track keep their bases (and
+  Shampoo its eigenvalues, so the update stays finite)."""
   from fisher_optax import linalg
   params = {"w": jnp.zeros((6, 10))}
   g = _grads("normal", jnp.float32, 0, {"w": (6, 10)})
   for tx, field in [(fo.eigen_adam(0.01, interval=1), "basis_left"),
+                    (fo.shampoo(0.01, interval=1), "eig_left"),
                     (fo.alice0(0.01, rank=3, leading=1, interval=1), "basis")]:
     s = tx.init(params)
     _, s = tx.update(g, s, params)
     before = np.asarray(optax.tree_utils.tree_get(s, field)["w"])
     real = linalg.eigh_desc
     monkeypatch.setattr(linalg, "eigh_desc", lambda a: tuple(x * jnp.nan for x in real(a)))
-    _, s2 = tx.update(g, s, params)
+    u2, s2 = tx.update(g, s, params)
     monkeypatch.undo()
     np.testing.assert_array_equal(np.asarray(optax.tree_utils.tree_get(s2, field)["w"]), before)
+    assert _finite(u2)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -168,7 +168,10 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
 
   def side_refresh(stat, basis, use_eigh):
-    """One side of one matrix -> (new basis, eigenvalues, permutation, new^T old)."""
+    """One side of one matrix -> (new basis, eigenvalues, permutation, new^T old, ok).
+
+    ``ok`` is False when the decomposition returned non-finite values: the previous
+    basis (and, by the caller, the previous eigenvalues) are kept."""
     d = stat.shape[-1]
     if use_eigh:
       w, new = linalg.eigh_desc(stat)
@@ -179,7 +182,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     ok = jnp.all(jnp.isfinite(new))
     new = jnp.where(ok, new, basis)
     idx = jnp.where(ok, idx, jnp.arange(d))
-    return new, w, idx, new.T @ basis
+    return new, w, idx, new.T @ basis, ok
 
   def rot(x, bl, br):
     if bl is not None:
@@ -247,7 +250,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
 
       def refreshed(use_eigh, ops):
         sls, srs, bls, brs, els, ers, inner_state = ops
-        res = {"l": [None] * len(sls), "r": [None] * len(sls)}  # (new, w, idx, rotation)
+        res = {"l": [None] * len(sls), "r": [None] * len(sls)}  # side_refresh's outputs
         for d, members in groups.items():
           stat = lambda i, side: (sls if side == "l" else srs)[i]
           basis = lambda i, side: (bls if side == "l" else brs)[i]
@@ -265,7 +268,9 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
                                      for i, r in enumerate(res[side])]
         bls, brs = pick("l", 0, bls), pick("r", 0, brs)
         if eigenvalue_power is not None:
-          els, ers = pick("l", 1, els), pick("r", 1, ers)
+          keep = lambda side, old: [o if r is None else jnp.where(r[4][..., None], r[1], o)
+                                    for o, r in zip(old, res[side])]
+          els, ers = keep("l", els), keep("r", ers)
         ils = [None if r is None else r[2] for r in res["l"]]
         irs = [None if r is None else r[2] for r in res["r"]]
         rls = [None if r is None else r[3] for r in res["l"]]
