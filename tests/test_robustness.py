@@ -121,7 +121,7 @@ def test_failed_decomposition_keeps_previous_basis(monkeypatch):
     assert _finite(u2)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(ALL), m=st.integers(1, 9), n=st.integers(1, 9),
        stack=st.sampled_from([(), (2,)]), dtype=st.sampled_from(DTYPES),
        log_scale=st.integers(-20, 15), seed=st.integers(0, 2 ** 16))
