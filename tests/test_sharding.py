@@ -170,6 +170,7 @@ def _free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~100 s on 2 cores; run with `python -m pytest -q -m slow`
 def test_two_process_llama_matches_single_process(tmp_path):
   """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices."""
   common = ["--preset", "tiny", "--optimizer", "alice", "--steps", "4", "--eval-every", "2",
