@@ -31,15 +31,28 @@ def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
                                   hyperparam_dtype=hyperparam_dtype)
 
 
-def _finish(structured: list, learning_rate, mask, dims, fallback):
-  structured = optax.chain(*structured, optax.scale_by_learning_rate(learning_rate))
+def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0):
+  """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
+
+  ``W <- W - lr * (direction + weight_decay * W)`` as in ``optax.adamw`` (Loshchilov &
+  Hutter's decoupled decay, multiplied by the learning rate and its schedule). The decay
+  applies to the leaves that get the structured rule (``mask``: matrices by default);
+  the fallback (default ``optax.adam``) has none unless ``fallback`` brings its own,
+  e.g. ``fallback=optax.adamw(lr, weight_decay=...)``.
+  """
+  if not callable(weight_decay):
+    routing.check_range("weight_decay", weight_decay, low=0.0, high=float("inf"))
+  decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
+           else [optax.add_decayed_weights(weight_decay)])
+  structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
   fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback)
 
 
 def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
-         mask: Any = None, dims: routing.DimsSpec = None,
+         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   """RACS (paper Sec. 4, Alg. "RACS"): ``W <- W - lr * alpha * eta * Q^-1/2 G S^-1/2``.
@@ -54,7 +67,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
   if limiter is not None:
     blocks.append(norm_growth_limiter(limiter, dims=dims))
   blocks.append(optax.scale(alpha))
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter, eps, seed,
@@ -75,7 +88,9 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
 def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
           interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
           b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
-          eps: float = 1e-8, seed: int = 0, mask: Any = None, dims: routing.DimsSpec = None,
+          eps: float = 1e-8, seed: int = 0,
+          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+          dims: routing.DimsSpec = None,
           fallback: Optional[optax.GradientTransformation] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
   """Alice (paper Sec. 5.4, Alg. "Alice"): ``W <- W - lr * alpha * (U omega + alpha_c C)``.
@@ -89,13 +104,15 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
                               seed=seed, dims=dims, state_dtype=state_dtype),
-                 learning_rate, mask, dims, fallback)
+                 learning_rate, mask, dims, fallback,
+                 weight_decay)
 
 
 def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
            interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
-           mask: Any = None, dims: routing.DimsSpec = None,
+           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+           dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   """Alice-0: :func:`alice` with ``b3 = 0`` (no ``r x r`` tracking state).
@@ -105,7 +122,8 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
                               seed=seed, dims=dims, state_dtype=state_dtype),
-                 learning_rate, mask, dims, fallback)
+                 learning_rate, mask, dims, fallback,
+                 weight_decay)
 
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
@@ -118,7 +136,8 @@ def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
 
 def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-           mask: Any = None, dims: routing.DimsSpec = None,
+           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+           dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   """GaLore (paper App. Alg. "GaLore"), as its release behaves.
@@ -131,12 +150,14 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   """
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
          scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-         limiter: Optional[float] = 1.01, mask: Any = None, dims: routing.DimsSpec = None,
+         limiter: Optional[float] = 1.01,
+         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None,
          state_dtype=None) -> optax.GradientTransformationExtraArgs:
   """Fira: GaLore plus Fira's norm-based scaled residual and 1.01 limiter (its release).
@@ -148,7 +169,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
       scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 racs.static_args = ("iters",)
@@ -163,7 +184,8 @@ fira.static_args = ("rank",)
 
 def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1: float = 0.9,
                b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
-               max_precond_dim: Optional[int] = 10000, mask: Any = None,
+               max_precond_dim: Optional[int] = 10000,
+               weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                dims: routing.DimsSpec = None,
                fallback: Optional[optax.GradientTransformation] = None
                ) -> optax.GradientTransformationExtraArgs:
@@ -178,13 +200,14 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
   blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh="eigh", reexpress=("mu",),
                    max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: Optional[float] = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = 10000,
-         mask: Any = None, dims: routing.DimsSpec = None,
+         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   """SOAP (paper Sec. 3.5, App. Alg. SOAP), as the SOAP authors' reference optimizer.
@@ -201,11 +224,12 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
                    max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
-            max_precond_dim: Optional[int] = 10000, mask: Any = None,
+            max_precond_dim: Optional[int] = 10000,
+            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
             dims: routing.DimsSpec = None,
             fallback: Optional[optax.GradientTransformation] = None
             ) -> optax.GradientTransformationExtraArgs:
@@ -216,7 +240,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
                    stats_eps=eps, max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 eigen_adam.static_args = ("max_precond_dim",)
@@ -228,7 +252,7 @@ shampoo.static_args = ("max_precond_dim",)
 
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
-            dims, fallback):
+            dims, fallback, weight_decay):
   routing.check_range("scale", scale, low=0.0, high=float("inf"))
   routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
@@ -239,12 +263,13 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
     blocks.append(norm_growth_limiter(limiter, dims=dims))
   blocks += [optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
              else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
 
 
 def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 1.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-           limiter: Optional[float] = 1.01, seed: int = 0, mask: Any = None,
+           limiter: Optional[float] = 1.01, seed: int = 0,
+           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
            dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None
            ) -> optax.GradientTransformationExtraArgs:
@@ -258,12 +283,13 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   """
   return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
                  b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
-                 fallback=fallback)
+                 fallback=fallback, weight_decay=weight_decay)
 
 
 def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 scale: float = 128.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                limiter: Optional[float] = 1.01, seed: int = 0, mask: Any = None,
+                limiter: Optional[float] = 1.01, seed: int = 0,
+                weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                 dims: routing.DimsSpec = None,
                 fallback: Optional[optax.GradientTransformation] = None
                 ) -> optax.GradientTransformationExtraArgs:
@@ -273,7 +299,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
   """
   return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
                  b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
-                 fallback=fallback)
+                 fallback=fallback, weight_decay=weight_decay)
 
 
 apollo.static_args = ("rank",)

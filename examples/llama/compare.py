@@ -6,13 +6,19 @@
 Writes ``OUT/summary.md`` (final eval perplexity as mean +- std over seeds, speed-up in
 steps to reach Adam's final eval loss, tokens/s, effective throughput, optimizer-state
 MB), ``OUT/summary.json``, ``OUT/eval_loss.png`` (eval loss vs steps and vs wall time)
-and each run's ``metrics.csv`` under ``OUT/<optimizer>/seed<k>/``.
+and each run's ``metrics.csv`` under ``OUT/<optimizer>/seed<k>/``. No checkpoints are
+written unless ``--checkpoint-every N`` asks for them.
+
+Each optimizer runs at its paper learning rate (``--lr`` is not swept here): this is a
+quick look, not a tuned comparison. ``benchmarks/convergence.py`` tunes every
+optimizer's learning rate by one rule before comparing.
 
 Definitions (paper App. "Throughput estimation"): the speed-up of an optimizer is
-``S_adam / S_opt`` where ``S_adam`` is the number of steps Adam takes to reach its final
-eval loss and ``S_opt`` the first evaluated step at which the optimizer's eval loss is at
-or below that value (linear interpolation between evaluations; none if it never gets
-there). Effective throughput = tokens/s x speed-up.
+``budget / S_opt`` where ``S_opt`` is the step at which its eval loss first reaches
+Adam's final eval loss (same seed), linearly interpolated between evaluations
+(:func:`examples.llama.curves.crossing`; evaluations every 2.5% of the budget by
+default); a run that never reaches it is counted as "not reached", not as a number.
+Effective throughput = tokens/s x speed-up.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from examples.llama import curves
 from examples.llama import presets
 from examples.llama import train as train_lib
 
@@ -38,26 +45,16 @@ def parse_args(argv=None):
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--seeds", default="0", help="comma-separated seeds (model init and data)")
   ap.add_argument("--out", default="runs/compare")
-  ap.add_argument("--eval-every", type=int, default=None)
+  ap.add_argument("--eval-every", type=int, default=None,
+                  help="default: every 2.5%% of --steps")
+  ap.add_argument("--checkpoint-every", type=int, default=0,
+                  help="orbax checkpoints every N steps (default 0: none)")
   ap.add_argument("--eval-batches", type=int, default=8)
   ap.add_argument("--batch-size", type=int, default=None)
   ap.add_argument("--data", default="shakespeare")
   ap.add_argument("--cache-dir", default=None)
   ap.add_argument("--no-progress", action="store_true")
   return ap.parse_args(argv)
-
-
-def steps_to_reach(rows: list[dict], target: float) -> float | None:
-  """First (interpolated) step at which eval loss <= target."""
-  prev_s, prev_l = 0, None
-  for r in rows:
-    s, l = int(r["step"]), float(r["eval_loss"])
-    if l <= target:
-      if prev_l is None or prev_l == l:
-        return float(s)
-      return prev_s + (s - prev_s) * (prev_l - target) / (prev_l - l)
-    prev_s, prev_l = s, l
-  return None
 
 
 def summarize(results: dict[str, list[dict]], steps: int) -> list[dict]:
@@ -70,17 +67,18 @@ def summarize(results: dict[str, list[dict]], steps: int) -> list[dict]:
     speed = []
     if adam:
       for k, r in enumerate(runs):
-        a = adam[min(k, len(adam) - 1)]
-        target = a["final_eval_loss"]
-        s_adam = steps_to_reach(a["rows"], target) or steps
-        s_opt = steps_to_reach(r["rows"], target)
-        speed.append(s_adam / s_opt if s_opt else 0.0)
-    speed = np.array(speed) if speed else np.array([np.nan])
+        target = adam[min(k, len(adam) - 1)]["final_eval_loss"]
+        s_opt = curves.crossing(r["rows"], target) if np.isfinite(target) else None
+        speed.append(steps / s_opt if s_opt else None)
+    reached = [s for s in speed if s is not None]
+    sp_mean, sp_std = curves.mean_std(reached)
     table.append(dict(
         optimizer=name, seeds=len(runs), ppl_mean=float(ppl.mean()), ppl_std=float(ppl.std()),
         loss_mean=float(loss.mean()), loss_std=float(loss.std()),
-        speedup_mean=float(speed.mean()), speedup_std=float(speed.std()),
-        tokens_per_s=float(tps.mean()), effective_tokens_per_s=float((tps * speed).mean()),
+        speedups=speed, reached=len(reached),
+        speedup_mean=sp_mean if reached else None, speedup_std=sp_std if reached else None,
+        tokens_per_s=float(tps.mean()),
+        effective_tokens_per_s=float(tps.mean() * sp_mean) if reached else None,
         state_mb=float(runs[0]["state_mb"])))
   return table
 
@@ -92,14 +90,24 @@ def write_summary(out: pathlib.Path, table: list[dict], args) -> str:
            "tokens/s | effective tokens/s | optimizer state MB |",
            "|---|---|---|---|---|---|---|"]
   for r in table:
+    if r["speedup_mean"] is None:
+      speed = "not reached" if r["speedups"] else "-"
+      eff = "-"
+    else:
+      speed = f"{r['speedup_mean']:.2f} ± {r['speedup_std']:.2f}"
+      if r["reached"] < r["seeds"]:
+        speed += f" ({r['seeds'] - r['reached']} of {r['seeds']} not reached)"
+      eff = f"{r['effective_tokens_per_s']:,.0f}"
     lines.append(
         f"| {r['optimizer']} | {r['ppl_mean']:.2f} ± {r['ppl_std']:.2f} | "
-        f"{r['loss_mean']:.4f} ± {r['loss_std']:.4f} | "
-        f"{r['speedup_mean']:.2f} ± {r['speedup_std']:.2f} | {r['tokens_per_s']:,.0f} | "
-        f"{r['effective_tokens_per_s']:,.0f} | {r['state_mb']:.2f} |")
-  lines += ["", "± is the standard deviation over seeds (0 with one seed). Speed-up: Adam's "
-            "steps to its final eval loss / this optimizer's steps to the same loss (0: never "
-            "reached). Command: `python examples/llama/compare.py " + " ".join(sys.argv[1:]) + "`"]
+        f"{r['loss_mean']:.4f} ± {r['loss_std']:.4f} | {speed} | {r['tokens_per_s']:,.0f} | "
+        f"{eff} | {r['state_mb']:.2f} |")
+  lines += ["", "± is the standard deviation over seeds (0 with one seed). Speed-up: the "
+            "budget / the (interpolated) step at which this optimizer first reaches Adam's "
+            "final eval loss of the same seed, over the seeds that reach it. Learning rates "
+            "are the paper's, not tuned (see benchmarks/convergence.py for a tuned "
+            "comparison). Command: `python examples/llama/compare.py "
+            + " ".join(sys.argv[1:]) + "`"]
   text = "\n".join(lines) + "\n"
   (out / "summary.md").write_text(text)
   return text
@@ -143,7 +151,8 @@ def main(argv=None):
           "--preset", args.preset, "--optimizer", name, "--steps", str(args.steps),
           "--seed", str(seed), "--out", str(out / name / f"seed{seed}"),
           "--eval-batches", str(args.eval_batches), "--data", args.data]
-          + (["--eval-every", str(args.eval_every)] if args.eval_every else [])
+          + ["--eval-every", str(args.eval_every or max(1, args.steps // 40)),
+             "--checkpoint-every", str(args.checkpoint_every)]
           + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
           + (["--cache-dir", args.cache_dir] if args.cache_dir else [])
           + (["--no-progress"] if args.no_progress else []))

@@ -8,6 +8,8 @@ The 1B row uses hidden 2048, 24 layers, 32 heads, intermediate 5461: the paper's
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 
 import fisher_optax as fo
@@ -31,9 +33,9 @@ LOW_RANK = {"tiny": (32, 10, 100), "small": (64, 20, 200), "60M": (128, 40, 200)
 
 # The paper trains the output layer with Adam for RACS, APOLLO and Adam (its "Ppl*"),
 # and with the structured optimizer for Alice, GaLore and Fira ("Ppl").
-LM_HEAD_ON_ADAM = {"adam", "adamw", "racs", "apollo", "apollo_mini"}
+LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "racs", "apollo", "apollo_mini"}
 
-OPTIMIZERS = ("adam", "adamw", "racs", "alice", "alice0", "galore", "fira", "apollo",
+OPTIMIZERS = ("adam", "adamw", "muon", "racs", "alice", "alice0", "galore", "fira", "apollo",
               "apollo_mini", "eigen_adam", "soap", "shampoo")
 
 
@@ -47,42 +49,65 @@ def model_config(preset: str, vocab_size: int | None = None, **overrides) -> Lla
 
 def default_lr(preset: str, name: str) -> float:
   big = preset == "1B"
-  return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3, "racs": 0.02,
+  return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3,
+          "muon": 7e-4 if big else 1e-3, "racs": 0.02,
           "alice": 0.02, "alice0": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
           "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03}[name]
 
 
-def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bool | None = None
-                   ) -> optax.GradientTransformation:
-  """The paper's optimizer ``name`` for ``preset``; embeddings always go to Adam."""
+def _matrices(params):
+  """Weight-decay mask of AdamW and Muon: every leaf with two or more dims."""
+  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bool | None = None,
+                   **hparams) -> optax.GradientTransformation:
+  """The paper's optimizer ``name`` for ``preset``; embeddings always go to Adam.
+
+  ``hparams`` override the named optimizer's keywords (e.g. ``b2``, ``weight_decay``);
+  ``adamw`` defaults to ``weight_decay=0.01`` on matrices. ``muon`` is
+  ``optax.contrib.muon`` with ``consistent_rms=0.2`` (its matrix updates get AdamW's RMS,
+  so one learning rate serves its matrices and its own Adam for the other leaves) and the
+  embeddings and output layer on that Adam, as Muon is used in practice.
+  """
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
   if name == "adam":
-    return optax.adam(learning_rate)
+    return optax.adam(learning_rate, **hparams)
   if name == "adamw":
-    return optax.adamw(learning_rate, weight_decay=0.01)
+    kw = dict(weight_decay=0.01, mask=_matrices)
+    kw.update(hparams)
+    return optax.adamw(learning_rate, **kw)
   if lm_head_on_adam is None:
     lm_head_on_adam = name in LM_HEAD_ON_ADAM
   exclude = ["embed"] + (["lm_head"] if lm_head_on_adam else [])
   mask = fo.path_mask(exclude=exclude)
+  if name == "muon":
+    def dim_numbers(params):
+      sel = mask(params)
+      return jax.tree.map(lambda s: optax.contrib.MuonDimensionNumbers() if s else None, sel)
+    kw = dict(consistent_rms=0.2, muon_weight_dimension_numbers=dim_numbers)
+    kw.update(hparams)
+    return optax.contrib.muon(learning_rate, **kw)
   big = preset == "1B"
   r, l, k = LOW_RANK[preset]
   if name == "racs":
-    return fo.racs(learning_rate, alpha=0.02 if big else 0.05, mask=mask)
-  if name in ("alice", "alice0"):
+    kw = dict(alpha=0.02 if big else 0.05)
+  elif name in ("alice", "alice0"):
     kw = dict(rank=r, leading=l, interval=k, alpha=0.25 if big else 0.3,
-              alpha_c=0.2 if big else 0.4, mask=mask)
-    return getattr(fo, name)(learning_rate, **kw)
-  if name in ("galore", "fira"):
-    return getattr(fo, name)(learning_rate, rank=r, interval=k, scale=0.25 if big else 0.3,
-                             mask=mask)
-  if name == "apollo":
-    return fo.apollo(learning_rate, rank=r, interval=k, mask=mask)
-  if name == "apollo_mini":
-    return fo.apollo_mini(learning_rate, interval=k, mask=mask)
-  if name == "eigen_adam":
-    return fo.eigen_adam(learning_rate, interval=10, mask=mask)
-  if name == "soap":
-    return fo.soap(learning_rate, mask=mask)
-  return fo.shampoo(learning_rate, eps=1e-4, interval=10, mask=mask)
+              alpha_c=0.2 if big else 0.4)
+  elif name in ("galore", "fira"):
+    kw = dict(rank=r, interval=k, scale=0.25 if big else 0.3)
+  elif name == "apollo":
+    kw = dict(rank=r, interval=k)
+  elif name == "apollo_mini":
+    kw = dict(interval=k)
+  elif name == "eigen_adam":
+    kw = dict(interval=10)
+  elif name == "soap":
+    kw = {}
+  else:
+    kw = dict(eps=1e-4, interval=10)
+  kw.update(hparams)
+  return getattr(fo, name)(learning_rate, mask=mask, **kw)

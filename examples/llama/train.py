@@ -48,6 +48,11 @@ def parse_args(argv=None):
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--out", default="runs/llama")
   ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: paper's)")
+  ap.add_argument("--hparams", default=None,
+                  help='JSON of optimizer keyword overrides, e.g. \'{"b2": 0.95, '
+                       '"weight_decay": 0.1}\' (see presets.make_optimizer)')
+  ap.add_argument("--on-divergence", default="raise", choices=("raise", "stop"),
+                  help="non-finite training loss: raise, or stop and report the step")
   ap.add_argument("--batch-size", type=int, default=None, help="sequences per optimizer step")
   ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
   ap.add_argument("--eval-every", type=int, default=None)
@@ -131,8 +136,9 @@ def build(args) -> Setup:
                                nnx.Param)
   lr = args.lr if args.lr is not None else presets.default_lr(args.preset, args.optimizer)
   head = {"auto": None, "adam": True, "structured": False}[args.lm_head]
+  hparams = json.loads(args.hparams) if getattr(args, "hparams", None) else {}
   tx = presets.make_optimizer(args.optimizer, args.preset, lr_schedule(lr, args.steps),
-                              lm_head_on_adam=head)
+                              lm_head_on_adam=head, **hparams)
   bs = args.batch_size or BATCH[args.preset]
   if bs % args.grad_accum:
     raise ValueError(f"--batch-size {bs} is not divisible by --grad-accum {args.grad_accum}")
@@ -243,7 +249,7 @@ def run(args, *, log=print) -> dict:
   eval_every = args.eval_every or max(1, args.steps // 10)
   ckpt_every = eval_every if args.checkpoint_every is None else args.checkpoint_every
   evals = data_lib.eval_batches(corpus.eval_ids, micro, ctx, args.eval_batches)
-  ckpt = Checkpoints(out / "ckpt")
+  ckpt = Checkpoints(out / "ckpt") if (ckpt_every or args.resume) else None
 
   start, rows, wall = 0, [], 0.0
   if args.resume and ckpt.latest() is not None:
@@ -287,6 +293,7 @@ def run(args, *, log=print) -> dict:
     from tqdm.auto import tqdm
     bar = tqdm(total=args.steps, initial=start, desc=f"{args.optimizer}", dynamic_ncols=True)
   window_loss, window_steps, window_time = 0.0, 0, 0.0
+  diverged_at = None
   for step in range(start, args.steps):
     x, y = data_lib.train_batch(corpus.train_ids, args.seed, step, setup.batch_size, ctx)
     xs = to_device(x.reshape(args.grad_accum, micro, ctx))
@@ -300,7 +307,11 @@ def run(args, *, log=print) -> dict:
     window_loss += loss
     window_steps += 1
     if not math.isfinite(loss):
-      raise FloatingPointError(f"non-finite training loss at step {step + 1}")
+      if getattr(args, "on_divergence", "raise") == "raise":
+        raise FloatingPointError(f"non-finite training loss at step {step + 1}")
+      diverged_at = step + 1
+      log(f"{args.optimizer}: non-finite training loss at step {diverged_at}: stopped")
+      break
     done = step + 1
     if bar is not None:
       tps = tokens_per_step * window_steps / max(window_time, 1e-9)
@@ -322,7 +333,8 @@ def run(args, *, log=print) -> dict:
                   f"ppl {math.exp(ev):8.2f}  {tps:,.0f} tok/s")
       window_loss, window_steps, window_time = 0.0, 0, 0.0
     stop = args.stop_after is not None and done >= args.stop_after
-    if ckpt_every and (done % ckpt_every == 0 or done == args.steps or stop):
+    if ckpt is not None and ckpt_every and (done % ckpt_every == 0 or done == args.steps
+                                            or stop):
       ckpt.save(done, params, opt_state)
     if stop:
       break
@@ -330,8 +342,9 @@ def run(args, *, log=print) -> dict:
     bar.close()
   if writer is not None:
     writer.close()
-  final = rows[-1] if rows else {}
+  final = rows[-1] if rows and diverged_at is None else {}
   return {"optimizer": args.optimizer, "seed": args.seed, "rows": rows, "params": params,
+          "diverged_at": diverged_at, "wall_s": wall,
           "final_eval_loss": float(final.get("eval_loss", "nan")),
           "final_eval_ppl": float(final.get("eval_ppl", "nan")),
           "state_mb": fo.state_bytes(opt_state) / 2 ** 20, "compile_s": compile_s,
