@@ -4,7 +4,8 @@
         --seeds 0,1,2 --out benchmarks/results/convergence_tiny
 
 For each optimizer (default: tuned AdamW, ``optax.contrib.muon``, racs, alice, alice0,
-galore, soap, apollo_mini; any name of ``examples/llama/presets.OPTIMIZERS``):
+galore, soap, apollo_mini, swan, and Muon composed of fisher_optax blocks ``fo_muon``; any
+name of ``examples/llama/presets.OPTIMIZERS``):
 
 1. **Sweep** at ``--sweep-steps`` (seed ``--sweep-seed``): peak learning rates on a log
    grid ``lr0 * 2^k`` (``lr0`` the optimizer's default from ``presets.default_lr``), at
@@ -52,7 +53,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from examples.llama import curves
 from examples.llama import presets
 
-DEFAULT_OPTIMIZERS = "adamw,muon,racs,alice,alice0,galore,soap,apollo_mini"
+DEFAULT_OPTIMIZERS = "adamw,muon,racs,alice,alice0,galore,soap,apollo_mini,swan,fo_muon"
 ADAMW_GRID = [dict(b2=b2, weight_decay=wd) for b2 in (0.999, 0.95) for wd in (0.0, 0.1)]
 EVALS_PER_RUN = 40  # every 2.5% of the budget: steps-to-target resolved to well under 5%
 

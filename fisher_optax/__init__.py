@@ -14,14 +14,17 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
 from fisher_optax.optimizers import (alice, alice0, apollo, apollo_mini, eigen_adam, fira, galore,
-                                     inject_hyperparams, racs, shampoo, soap)
+                                     inject_hyperparams, muon, racs, shampoo, soap, swan)
+from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,  # noqa: E402
+                                 scale_by_shape, whiten)
 from fisher_optax.routing import MatrixDims, default_mask, in_float32, path_mask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "alice", "alice0", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
-    "apollo", "apollo_mini", "inject_hyperparams", "rotate", "RotateState", "random_project",
+    "apollo", "apollo_mini", "swan", "muon", "normalize", "whiten", "scale_by_momentum", "scale_by_shape",
+    "ScaleByMomentumState", "inject_hyperparams", "rotate", "RotateState", "random_project",
     "scale_by_subspace_ratio", "RandomProjectState",
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",

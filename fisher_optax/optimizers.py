@@ -21,6 +21,8 @@ from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter
                                  on_coefficients, project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
+from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
+from fisher_optax.blocks.whiten import MUON_COEFFS
 
 
 def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
@@ -303,3 +305,52 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
 
 
 apollo.static_args = ("rank",)
+
+
+# ----------------------------------------------------------- normalization / whitening
+
+
+def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
+         coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
+         eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         dims: routing.DimsSpec = None,
+         fallback: Optional[optax.GradientTransformation] = None
+         ) -> optax.GradientTransformationExtraArgs:
+  """SWAN (paper App. "SWAN", Eq. "SWAN update"; Ma et al. 2024, arXiv 2412.13148):
+  ``W <- W - lr * c * GradWhitening(GradNorm(G))``, no optimizer state for matrices.
+
+  Chain: :func:`normalize` (``axis="rows", center=True``: SWAN's ``GradNorm``) ->
+  :func:`whiten` (Newton--Schulz, ``steps`` and ``coeffs``) -> ``c =
+  sqrt(max(m, n)) * consistent_rms`` (:func:`scale_by_shape`: the update's
+  RMS becomes ``consistent_rms``, so Adam-range learning rates apply; ``None`` uses
+  Muon's ``sqrt(max(1, n / m))``) -> ``scale_by_learning_rate``. The scale is our
+  choice (the paper gives none). State per matrix: none.
+  """
+  blocks = [normalize(axis="rows", center=True, eps=eps, dims=dims),
+            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
+            scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+
+
+def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
+         steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
+         eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         dims: routing.DimsSpec = None,
+         fallback: Optional[optax.GradientTransformation] = None
+         ) -> optax.GradientTransformationExtraArgs:
+  """Muon by composition (paper App. "Muon", Eq. "Muon update"; Jordan et al. 2024):
+  ``W <- W - lr * c * GradWhitening(m_t)`` with Muon's momentum ``m_t``.
+
+  Chain: :func:`scale_by_momentum` (``beta``, Nesterov) -> :func:`whiten`
+  (Newton--Schulz) -> :func:`scale_by_shape` (``consistent_rms``) ->
+  ``scale_by_learning_rate``. Its matrix updates equal ``optax.contrib.muon``'s with the
+  same arguments (tested). State per matrix: ``mn`` (the momentum).
+  """
+  blocks = [scale_by_momentum(beta, nesterov=nesterov),
+            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
+            scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+
+
+swan.static_args = ("steps",)
+muon.static_args = ("steps",)

@@ -141,7 +141,9 @@ def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
     return jax.tree.map(lambda _: d, tree)
   if callable(dims):
     dims = dims(tree)
-  return jax.tree.map(lambda _, d: d or MatrixDims(), tree, dims,
+  # ``dims`` is a prefix of ``tree``: inside ``optax.partition`` the leaves routed elsewhere
+  # are ``MaskedNode``s (no leaves), while ``dims`` may hold ``None`` for them.
+  return jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d or MatrixDims(), sub), dims, tree,
                       is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
 
 
@@ -325,3 +327,17 @@ def check_range(name: str, value: Any, *, low: float, high: float,
   if not (lo_ok and hi_ok) or math.isnan(v):
     interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
     raise ValueError(f"`{name}` must lie in {interval}, got {value!r}")
+
+
+def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, dims: DimsSpec,
+                  *, smaller_first: bool, what: str) -> Any:
+  """Applies ``fn(matrix_f32, view)`` (written for one canonical ``m x n`` matrix) to every
+  leaf: canonical float32 layout, ``vmap`` over batch axes, back to the leaf's layout,
+  cast (saturating) to the leaf's dtype. For stateless per-matrix blocks."""
+  views = views_like(tree, dims, smaller_first=smaller_first, what=what)
+
+  def one(x, view):
+    f = vmap_batch(lambda m: fn(m.astype(jnp.float32), view), len(view.batch_shape))
+    return cast_like(view.from_canonical(f(view.to_canonical(x))), x.dtype)
+
+  return jax.tree.map(one, tree, views)

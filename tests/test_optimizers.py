@@ -191,6 +191,8 @@ NAMED_KW = {
     "shampoo": dict(interval=2),
     "apollo": dict(rank=3, interval=2),
     "apollo_mini": dict(interval=2),
+    "swan": {},
+    "muon": {},
 }
 ALL = list(NAMED_KW)
 

@@ -33,10 +33,10 @@ LOW_RANK = {"tiny": (32, 10, 100), "small": (64, 20, 200), "60M": (128, 40, 200)
 
 # The paper trains the output layer with Adam for RACS, APOLLO and Adam (its "Ppl*"),
 # and with the structured optimizer for Alice, GaLore and Fira ("Ppl").
-LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "racs", "apollo", "apollo_mini"}
+LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "fo_muon", "swan", "racs", "apollo", "apollo_mini"}
 
-OPTIMIZERS = ("adam", "adamw", "muon", "racs", "alice", "alice0", "galore", "fira", "apollo",
-              "apollo_mini", "eigen_adam", "soap", "shampoo")
+OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0", "galore",
+              "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo")
 
 
 def model_config(preset: str, vocab_size: int | None = None, **overrides) -> LlamaConfig:
@@ -50,7 +50,8 @@ def model_config(preset: str, vocab_size: int | None = None, **overrides) -> Lla
 def default_lr(preset: str, name: str) -> float:
   big = preset == "1B"
   return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3,
-          "muon": 7e-4 if big else 1e-3, "racs": 0.02,
+          "muon": 7e-4 if big else 1e-3, "fo_muon": 7e-4 if big else 1e-3,
+          "swan": 7e-4 if big else 1e-3, "racs": 0.02,
           "alice": 0.02, "alice0": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
           "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03}[name]
@@ -69,7 +70,9 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
   ``adamw`` defaults to ``weight_decay=0.01`` on matrices. ``muon`` is
   ``optax.contrib.muon`` with ``consistent_rms=0.2`` (its matrix updates get AdamW's RMS,
   so one learning rate serves its matrices and its own Adam for the other leaves) and the
-  embeddings and output layer on that Adam, as Muon is used in practice.
+  embeddings and output layer on that Adam, as Muon is used in practice. ``fo_muon`` is
+  ``fisher_optax.muon`` (the same Muon, composed of fisher_optax blocks) and ``swan``
+  ``fisher_optax.swan``, both with ``consistent_rms=0.2`` and the same routing.
   """
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
@@ -107,6 +110,9 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
     kw = dict(interval=10)
   elif name == "soap":
     kw = {}
+  elif name in ("fo_muon", "swan"):  # Muon by composition, SWAN: AdamW-RMS updates
+    name = "muon" if name == "fo_muon" else name
+    kw = dict(consistent_rms=0.2)
   else:
     kw = dict(eps=1e-4, interval=10)
   kw.update(hparams)

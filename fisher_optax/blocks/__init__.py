@@ -11,3 +11,6 @@ from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sid
 from fisher_optax.blocks.rotate import RotateState, rotate
 from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,
                                                    scale_by_subspace_ratio)
+from fisher_optax.blocks.momentum import ScaleByMomentumState, scale_by_momentum
+from fisher_optax.blocks.normalize import normalize
+from fisher_optax.blocks.whiten import scale_by_shape, whiten
