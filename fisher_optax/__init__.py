@@ -17,7 +17,10 @@ from fisher_optax.optimizers import (alice, alice0, apollo, apollo_mini, eigen_a
                                      inject_hyperparams, muon, racs, shampoo, soap, swan)
 from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,  # noqa: E402
                                  scale_by_shape, whiten)
-from fisher_optax.routing import MatrixDims, default_mask, in_float32, path_mask
+from fisher_optax.routing import (NOT_A_MATRIX, MatrixDims, default_mask, in_float32,
+                                  path_mask)
+from fisher_optax.describe import Description, describe
+from fisher_optax.flax_dims import flax_dims
 
 __version__ = "0.1.0"
 
@@ -29,7 +32,8 @@ __all__ = [
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
     "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",
-    "MatrixDims", "default_mask", "path_mask", "in_float32",
+    "MatrixDims", "NOT_A_MATRIX", "default_mask", "path_mask", "in_float32", "describe",
+    "Description", "flax_dims",
     "state_bytes", "state_numbers", "paper_state_numbers",
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",

@@ -33,7 +33,8 @@ def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
                                   hyperparam_dtype=hyperparam_dtype)
 
 
-def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0):
+def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0, *,
+            name: str = "structured", rank: Optional[int] = None):
   """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
 
   ``W <- W - lr * (direction + weight_decay * W)`` as in ``optax.adamw`` (Loshchilov &
@@ -48,7 +49,8 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
            else [optax.add_decayed_weights(weight_decay)])
   structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
   fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
-  return routing.route(structured, mask=mask, dims=dims, fallback=fallback)
+  return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
+                       info=dict(name=name, rank=rank))
 
 
 def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
@@ -69,7 +71,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
   if limiter is not None:
     blocks.append(norm_growth_limiter(limiter, dims=dims))
   blocks.append(optax.scale(alpha))
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="racs")
 
 
 def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter, eps, seed,
@@ -77,6 +79,9 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
   routing.check_int("rank", rank, low=1)
   routing.check_int("leading", leading, low=0, high=rank)
   routing.check_range("b3", b3, low=0.0, high=1.0)
+  routing.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
+  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+                      allow_none=True)
   return [
       low_rank_track(rank=rank, interval=interval, tracking=b3,
                      refresh=switch(leading=leading, seed=seed), dims=dims,
@@ -107,7 +112,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
                               seed=seed, dims=dims, state_dtype=state_dtype),
                  learning_rate, mask, dims, fallback,
-                 weight_decay)
+                 weight_decay, name="alice", rank=rank)
 
 
 def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
@@ -125,7 +130,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
                               seed=seed, dims=dims, state_dtype=state_dtype),
                  learning_rate, mask, dims, fallback,
-                 weight_decay)
+                 weight_decay, name="alice0", rank=rank)
 
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
@@ -152,7 +157,8 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   """
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="galore",
+                 rank=rank)
 
 
 def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
@@ -171,7 +177,8 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
       scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="fira",
+                 rank=rank)
 
 
 racs.static_args = ("iters",)
@@ -186,7 +193,7 @@ fira.static_args = ("rank",)
 
 def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1: float = 0.9,
                b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
-               max_precond_dim: Optional[int] = 10000,
+               max_precond_dim: Optional[int] = None,
                weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                dims: routing.DimsSpec = None,
                fallback: Optional[optax.GradientTransformation] = None
@@ -201,13 +208,13 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
   """
   blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh="eigh", reexpress=("mu",),
-                   max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="eigen_adam")
 
 
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: Optional[float] = None, eps: float = 1e-8,
-         precondition_frequency: int = 10, max_precond_dim: Optional[int] = 10000,
+         precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
@@ -219,18 +226,20 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
   ``U_L^T G U_R``, statistics updated after the step, refresh every
   ``precondition_frequency`` updates by sorting + one power iteration + QR, with
   the second moment permuted and the first moment re-expressed. Sides larger than
-  ``max_precond_dim`` are not rotated.
+  ``max_precond_dim`` (``None``: the standard 10000) are not rotated.
   """
+  routing.check_int("precondition_frequency", precondition_frequency, low=1)
+  routing.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
   inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
   blocks = [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
-                   max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="soap")
 
 
 def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
-            max_precond_dim: Optional[int] = 10000,
+            max_precond_dim: Optional[int] = None,
             weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
             dims: routing.DimsSpec = None,
             fallback: Optional[optax.GradientTransformation] = None
@@ -239,11 +248,19 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
   ``W <- W - lr * L^-1/4 G R^-1/4`` with the inverse roots (eigendecompositions)
   recomputed when ``(t - 1) mod interval == 0``.
   """
+  routing.check_range("eps", eps, low=0.0, high=float("inf"))
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
-                   stats_eps=eps, max_precond_dim=max_precond_dim, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+                   stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="shampoo")
 
+
+def _precond_limit(max_precond_dim):
+  """``None`` (the default) is the standard limit, 10000 (SOAP's reference value)."""
+  return MAX_PRECOND_DIM if max_precond_dim is None else max_precond_dim
+
+
+MAX_PRECOND_DIM = 10000
 
 eigen_adam.static_args = ("max_precond_dim",)
 soap.static_args = ("max_precond_dim", "precondition_frequency")
@@ -265,7 +282,8 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
     blocks.append(norm_growth_limiter(limiter, dims=dims))
   blocks += [optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
              else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 name="apollo" if kind == "channel" else "apollo_mini", rank=rank)
 
 
 def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
@@ -329,7 +347,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
   blocks = [normalize(axis="rows", center=True, eps=eps, dims=dims),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
             scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="swan")
 
 
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
@@ -349,7 +367,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
   blocks = [scale_by_momentum(beta, nesterov=nesterov),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
             scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay)
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="muon")
 
 
 swan.static_args = ("steps",)

@@ -17,11 +17,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+
+Axes = Union[int, Sequence[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +34,46 @@ class MatrixDims:
   """Which axes of a leaf are the matrix rows and columns.
 
   Attributes:
-    rows: axis of the rows (``m``); negative values count from the end.
-    cols: axis of the columns (``n``).
+    rows: axis (or axes, merged in order) of the rows (``m``); negative values count
+      from the end. Several axes form one row axis of their product's size, e.g. an
+      attention output kernel ``(heads, head_dim, out)`` with ``rows=(0, 1), cols=2`` is
+      one ``heads * head_dim x out`` matrix.
+    cols: axis (or axes) of the columns (``n``).
 
-  All other axes are batch axes: each index into them is an independent matrix.
+  All other axes are batch axes: each index into them is an independent matrix
+  (``optax.contrib.muon``'s dimension numbers follow the same convention: reduction
+  axes = rows, output axes = columns).
   """
 
-  rows: int = -2
-  cols: int = -1
+  rows: Axes = -2
+  cols: Axes = -1
 
+
+class NotAMatrix(MatrixDims):
+  """A ``dims`` entry that routes its leaf to the fallback (e.g. a stack of norm scales);
+  :data:`NOT_A_MATRIX` is its instance. :func:`flax_dims` uses it for every parameter
+  that is no matrix of a matrix product."""
+
+  def __init__(self):
+    super().__init__(rows=(), cols=())
+
+  def __repr__(self):
+    return "NOT_A_MATRIX"
+
+
+NOT_A_MATRIX = NotAMatrix()
 
 DimsSpec = Union[None, MatrixDims, Any, Callable[[Any], Any]]
+
+# Last path keys of parameters that are vectors, or stacks of vectors, whatever their
+# shape: norm scales and biases (Flax, Haiku, Equinox names).
+VECTOR_NAMES = ("bias", "scale", "gamma", "beta", "offset")
+
+
+def _as_axes(a: Axes) -> tuple[int, ...]:
+  if isinstance(a, (int, np.integer)):
+    return (int(a),)
+  return tuple(int(x) for x in a)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +81,13 @@ class MatrixView:
   """Static description of how a leaf maps to its canonical ``batch + (m, n)`` form."""
 
   shape: tuple[int, ...]
-  rows: int
-  cols: int
+  rows: tuple[int, ...]
+  cols: tuple[int, ...]
   transpose: bool
 
   @property
   def batch_axes(self) -> tuple[int, ...]:
-    return tuple(a for a in range(len(self.shape)) if a not in (self.rows, self.cols))
+    return tuple(a for a in range(len(self.shape)) if a not in self.rows + self.cols)
 
   @property
   def batch_shape(self) -> tuple[int, ...]:
@@ -64,27 +98,45 @@ class MatrixView:
     return math.prod(self.batch_shape)
 
   @property
+  def fan_in(self) -> int:
+    """Size of the (merged) row axes of the leaf."""
+    return math.prod(self.shape[a] for a in self.rows)
+
+  @property
+  def fan_out(self) -> int:
+    """Size of the (merged) column axes of the leaf."""
+    return math.prod(self.shape[a] for a in self.cols)
+
+  @property
   def m(self) -> int:
     """Rows of the canonical matrix (the smaller side when ``transpose`` was asked)."""
-    r, c = self.shape[self.rows], self.shape[self.cols]
-    return c if self.transpose else r
+    return self.fan_out if self.transpose else self.fan_in
 
   @property
   def n(self) -> int:
-    r, c = self.shape[self.rows], self.shape[self.cols]
-    return r if self.transpose else c
+    return self.fan_in if self.transpose else self.fan_out
 
   def _perm(self) -> tuple[int, ...]:
-    last = (self.cols, self.rows) if self.transpose else (self.rows, self.cols)
-    return self.batch_axes + last
+    return self.batch_axes + self.rows + self.cols
 
   def to_canonical(self, x: jax.Array) -> jax.Array:
     """Leaf layout -> ``batch + (m, n)``."""
-    return jnp.transpose(x, self._perm())
+    x = jnp.transpose(x, self._perm()).reshape(self.batch_shape + (self.fan_in, self.fan_out))
+    return jnp.swapaxes(x, -1, -2) if self.transpose else x
+
+  def expand_batch(self, x: jax.Array) -> jax.Array:
+    """A per-matrix array of shape ``batch_shape`` -> broadcastable against the leaf."""
+    shape = [1] * len(self.shape)
+    for a in self.batch_axes:
+      shape[a] = self.shape[a]
+    return jnp.reshape(x, shape)
 
   def from_canonical(self, x: jax.Array) -> jax.Array:
     """``batch + (m, n)`` -> leaf layout (inverse of :meth:`to_canonical`)."""
+    if self.transpose:
+      x = jnp.swapaxes(x, -1, -2)
     perm = self._perm()
+    x = x.reshape(tuple(self.shape[a] for a in perm))
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
       inv[p] = i
@@ -94,22 +146,25 @@ class MatrixView:
 def is_matrix_shape(shape: Sequence[int], dims: Optional[MatrixDims] = None) -> bool:
   """True when ``shape`` has matrix axes ``dims`` with both sizes > 1 (SPEC default mask)."""
   dims = dims or MatrixDims()
-  if len(shape) < 2:
+  if isinstance(dims, NotAMatrix) or len(shape) < 2:
     return False
   try:
     r, c = _normalize_axes(len(shape), dims)
   except ValueError:
     return False
-  return shape[r] > 1 and shape[c] > 1
+  return math.prod(shape[a] for a in r) > 1 and math.prod(shape[a] for a in c) > 1
 
 
-def _normalize_axes(ndim: int, dims: MatrixDims) -> tuple[int, int]:
-  r, c = dims.rows, dims.cols
-  if not (-ndim <= r < ndim and -ndim <= c < ndim):
-    raise ValueError(f"MatrixDims{(r, c)} out of range for a leaf with {ndim} dims")
-  r, c = r % ndim, c % ndim
-  if r == c:
-    raise ValueError(f"MatrixDims rows and cols must differ, got {dims}")
+def _normalize_axes(ndim: int, dims: MatrixDims) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  r, c = _as_axes(dims.rows), _as_axes(dims.cols)
+  if not r or not c:
+    raise ValueError(f"{dims}: rows and cols each need at least one axis")
+  for a in r + c:
+    if not -ndim <= a < ndim:
+      raise ValueError(f"{dims} out of range for a leaf with {ndim} dims")
+  r, c = tuple(a % ndim for a in r), tuple(a % ndim for a in c)
+  if len(set(r + c)) != len(r + c):
+    raise ValueError(f"MatrixDims rows and cols must differ (no axis twice), got {dims}")
   return r, c
 
 
@@ -124,13 +179,17 @@ def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
     what: name used in the error message.
   """
   shape = tuple(int(s) for s in shape)
+  if isinstance(dims, NotAMatrix):
+    raise ValueError(f"{what} got a leaf of shape {shape} whose dims say NOT_A_MATRIX; "
+                     "route it to the fallback with `mask=` (the named optimizers do).")
   if len(shape) < 2:
     raise ValueError(
         f"{what} works on matrices (ndim >= 2) but got a leaf of shape {shape}. "
         "Route vectors and scalars elsewhere with `mask=` (the named optimizers "
         "send them to Adam by default).")
   r, c = _normalize_axes(len(shape), dims or MatrixDims())
-  transpose = smaller_first and shape[r] > shape[c]
+  fan_in, fan_out = math.prod(shape[a] for a in r), math.prod(shape[a] for a in c)
+  transpose = smaller_first and fan_in > fan_out
   return MatrixView(shape=shape, rows=r, cols=c, transpose=transpose)
 
 
@@ -169,6 +228,8 @@ def path_to_str(path: Sequence[Any]) -> str:
   """``('layers', 0, 'attn', 'kernel')``-like key path -> ``'layers/0/attn/kernel'``."""
   parts = []
   for k in path:
+    if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+      continue  # the array inside a Flax ``Variable`` (nnx.State leaves)
     for attr in ("key", "name", "idx"):
       if hasattr(k, attr):
         parts.append(str(getattr(k, attr)))
@@ -178,14 +239,51 @@ def path_to_str(path: Sequence[Any]) -> str:
   return "/".join(parts)
 
 
+_VECTOR_RE = re.compile(r"(^|[^a-z0-9])(" + "|".join(VECTOR_NAMES) + r")$")
+
+
+def is_vector_name(path: Sequence[Any]) -> bool:
+  """True when the leaf's last path key names a vector parameter: it is, or ends in
+  ``_``/``.``/``-`` and, one of :data:`VECTOR_NAMES` (``bias``, ``ln_scale``, ...)."""
+  s = path_to_str(path)
+  return bool(s) and bool(_VECTOR_RE.search(s.rsplit("/", 1)[-1].lower()))
+
+
 def default_mask(params: Any, dims: DimsSpec = None) -> Any:
-  """SPEC default: every leaf with ndim >= 2 whose two matrix dims are both > 1."""
+  """Default routing: a leaf gets the structured rule when its matrix axes (``dims``,
+  default the last two) both have size > 1, its dims entry is not :data:`NOT_A_MATRIX`,
+  and its name is not a vector's (``bias``, ``scale``, ``ln_scale``, ...:
+  :data:`VECTOR_NAMES`), so layer-stacked norm scales ``[L, n]`` and attention biases
+  ``(heads, head_dim)`` go to the fallback. Python scalars are never matrices. Pass an
+  explicit ``mask`` to override."""
   dims_tree = resolve_dims(dims, params)
-  return jax.tree.map(lambda p, d: is_matrix_shape(jnp.shape(p), d), params, dims_tree)
+  check_dims(params, dims_tree, explicit=dims is not None)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p, d: is_matrix_shape(jnp.shape(p), d) and not is_vector_name(path),
+      params, dims_tree)
+
+
+def check_dims(params: Any, dims_tree: Any, *, explicit: bool = True) -> None:
+  """Raises a ``ValueError`` naming the leaf when ``dims`` do not fit a leaf of ndim >= 2
+  (a single ``MatrixDims`` is checked on every such leaf, a tree or callable per leaf)."""
+  if not explicit:
+    return
+
+  def one(path, p, d):
+    shape = jnp.shape(p)
+    if len(shape) < 2 or isinstance(d, NotAMatrix):
+      return
+    try:
+      _normalize_axes(len(shape), d)
+    except ValueError as e:
+      raise ValueError(f"`dims` for leaf {path_to_str(path)!r} of shape {tuple(shape)}: "
+                       f"{e}") from None
+
+  jax.tree_util.tree_map_with_path(one, params, dims_tree)
 
 
 def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] = None,
-              dims: DimsSpec = None) -> Callable[[Any], Any]:
+              dims: DimsSpec = None, on_unmatched: str = "raise") -> Callable[[Any], Any]:
   """Mask from parameter-path regular expressions, for the named optimizers' ``mask=``.
 
   A leaf is selected (gets the structured rule) when it is a matrix (see
@@ -194,12 +292,26 @@ def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] =
   output layer to Adam in one line::
 
     fo.alice(1e-2, mask=fo.path_mask(exclude=["embed", "lm_head"]))
+
+  A pattern that matches no parameter path raises a ``ValueError`` when the mask is
+  evaluated (at ``init``), or warns / passes with ``on_unmatched="warn"`` / ``"ignore"``.
   """
+  if on_unmatched not in ("raise", "warn", "ignore"):
+    raise ValueError(f"`on_unmatched` must be 'raise', 'warn' or 'ignore', got {on_unmatched!r}")
   inc = [re.compile(p) for p in include] if include is not None else None
   exc = [re.compile(p) for p in exclude]
 
   def mask_fn(params):
     base = default_mask(params, dims)
+    paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    unmatched = [p.pattern for p in (inc or []) + exc if not any(p.search(s) for s in paths)]
+    if unmatched and paths and on_unmatched != "ignore":
+      msg = (f"fo.path_mask: pattern(s) {unmatched} match no parameter path (paths look like "
+             f"{paths[:3]}); a typo would silently route the whole model elsewhere. Pass "
+             "on_unmatched='warn' or 'ignore' if this is intended.")
+      if on_unmatched == "raise":
+        raise ValueError(msg)
+      warnings.warn(msg, stacklevel=2)
 
     def pick(path, sel):
       s = path_to_str(path)
@@ -242,8 +354,11 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
   updates (and params) are cast to float32 on the way in and back to their own dtype on
   the way out. ``optax.adam`` on float16 params otherwise keeps its second moment and
   ``eps = 1e-8`` in float16, where a zero gradient gives 0/0 and ``g^2`` overflows."""
-  to32 = lambda t: jax.tree.map(
-      lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, t)
+  def to32(t):
+    def one(x):
+      x = jnp.asarray(x)  # Python scalars too, as optax.adam accepts them
+      return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(one, t)
 
   def init_fn(params):
     return InFloat32State(inner.init(to32(params)))
@@ -251,14 +366,21 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
   def update_fn(updates, state, params=None, **extra):
     new, inner_state = optax.with_extra_args_support(inner).update(
         to32(updates), state.inner_state, None if params is None else to32(params), **extra)
-    new = jax.tree.map(lambda n, u: cast_like(n, u.dtype), new, updates)
+    new = jax.tree.map(lambda n, u: cast_like(n, jnp.result_type(u)), new, updates)
     return new, InFloat32State(inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class RoutedTransformation(optax.GradientTransformationExtraArgs):
+  """An ``optax.GradientTransformationExtraArgs`` that remembers its routing (``mask``,
+  ``dims``, ``info``: the structured rule's name and rank) for :func:`fisher_optax.describe`.
+  """
+
+
 def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec,
-          fallback: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+          fallback: optax.GradientTransformation, info: Optional[dict] = None
+          ) -> optax.GradientTransformationExtraArgs:
   """Structured rule on the leaves selected by ``mask``, ``fallback`` on the rest.
 
   Built on ``optax.partition``; the label of a leaf is ``"structured"`` or
@@ -269,7 +391,10 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
     sel = resolve_mask(mask, params, dims)
     return jax.tree.map(lambda s: "structured" if s else "fallback", sel)
 
-  return optax.partition({"structured": structured, "fallback": fallback}, labels)
+  tx = optax.partition({"structured": structured, "fallback": fallback}, labels)
+  out = RoutedTransformation(tx.init, tx.update)
+  out.labels, out.dims, out.info = labels, dims, dict(info or {})
+  return out
 
 
 # ------------------------------------------------------------------------ validation

@@ -71,23 +71,25 @@ def _leaf_spec(shape, field, pshape, pspec, dims, mesh) -> P:
       return P()
     entries = [pent[a] for a in batch]
     trailing = list(shape[nb:])
-    mat_axes = [view.rows, view.cols]
-    if field in ROW_VECTORS:
-      mat_axes = [view.rows]
+    # each matrix side: (its size, the spec of its major axis; merged axes are sharded
+    # like their first axis, which a row-major reshape keeps contiguous)
+    rows = (view.fan_in, pent[view.rows[0]])
+    cols = (view.fan_out, pent[view.cols[0]])
+    sides = [rows] if field in ROW_VECTORS else [rows, cols]
     for pos, d in enumerate(trailing):
       if field in LEFT_SQUARE | RIGHT_SQUARE:
         if pos:
           entries.append(None)
           continue
-        cands = [a for a in mat_axes if pshape[a] == d]
+        cands = [sd for sd in sides if sd[0] == d]
         if len(cands) > 1:
-          cands = [view.rows if field in LEFT_SQUARE else view.cols]
-        entries.append(pent[cands[0]] if cands else None)
+          cands = [rows if field in LEFT_SQUARE else cols]
+        entries.append(cands[0][1] if cands else None)
         continue
-      cands = [a for a in mat_axes if pshape[a] == d]
+      cands = [sd for sd in sides if sd[0] == d]
       if len(cands) > 1:  # square parameter: positional (rows first) unless a vector
         cands = [cands[pos if len(trailing) == 2 else (-1 if field not in ROW_VECTORS else 0)]]
-      entries.append(pent[cands[0]] if cands else None)
+      entries.append(cands[0][1] if cands else None)
   used, out = set(), []
   for d, e in zip(shape, entries):
     names = e if isinstance(e, tuple) else ((e,) if e is not None else ())

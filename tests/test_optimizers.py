@@ -307,8 +307,8 @@ def test_routing_vectors_to_adam_and_path_mask():
     (fo.racs, dict(limiter=-0.5), "limiter"),
     (fo.apollo, dict(rank=0), "rank"),
     (fo.apollo_mini, dict(limiter=0.0), "limiter"),
-    (fo.soap, dict(precondition_frequency=0), "interval"),
-    (fo.shampoo, dict(eps=-1.0), "stats_eps"),
+    (fo.soap, dict(precondition_frequency=0), "precondition_frequency"),
+    (fo.shampoo, dict(eps=-1.0), "`eps`"),
     (fo.eigen_adam, dict(b3=1.0), "b3"),
 ])
 def test_invalid_settings_raise_when_built(factory, kw, arg):

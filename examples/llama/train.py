@@ -3,7 +3,8 @@
     python examples/llama/train.py --preset tiny --optimizer alice --steps 300 --out runs/alice
 
 Writes ``OUT/metrics.csv`` (step, tokens, train_loss, eval_loss, eval_ppl, tokens_per_s,
-wall_s), ``OUT/config.json`` and orbax checkpoints under ``OUT/ckpt`` (``--resume``
+wall_s), ``OUT/config.json``, ``OUT/routing.txt`` (``fo.describe``: how every parameter is
+routed; also printed at start) and orbax checkpoints under ``OUT/ckpt`` (``--resume``
 continues from the latest one). Learning rate: 10% linear warm-up, then cosine decay to
 10% of the peak (paper App. "Experiment setup"). ``wall_s`` counts training time only
 (evaluation and checkpointing excluded).
@@ -257,6 +258,11 @@ def run(args, *, log=print) -> dict:
     rows = _read_metrics(out / "metrics.csv", start)
     wall = float(rows[-1]["wall_s"]) if rows else 0.0
     log(f"resumed from step {start}")
+  if main_process and isinstance(setup.tx, fo.routing.RoutedTransformation):
+    table = str(fo.describe(setup.tx, setup.params))
+    (out / "routing.txt").write_text(table + "\n")
+    if not args.no_progress:
+      log(table)
   if main_process:
     (out / "config.json").write_text(json.dumps(
         {**vars(args), "model": dataclasses.asdict(cfg), "lr": setup.lr,

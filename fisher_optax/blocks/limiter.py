@@ -83,7 +83,7 @@ def norm_growth_limiter(threshold: float = 1.01, *,
     def one(u, phi, view):
       eta, new_phi = limit_growth(_norm(u, view), phi, threshold)
       if view is not None:
-        eta = view.from_canonical(eta[..., None, None])
+        eta = view.expand_batch(eta)
       return routing.cast_like(u * eta, u.dtype), new_phi
 
     out = jax.tree.map(one, updates, state.phi, views, is_leaf=lambda x: x is None)

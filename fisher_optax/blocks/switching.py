@@ -87,13 +87,25 @@ class Switch:
       u1 = linalg.orthonormalize(q_times(u1))
     _, v = linalg.eigh_desc(u1.T @ q_times(u1))
     ritz = u1 @ v
-    lead = r if self.leading is None else min(self.leading, r)
-    k_c = min(r - lead, m - r)
-    cols = [ritz[:, : r - k_c]]
-    if k_c > 0:
+    if self.leading is None or m == r:
+      return linalg.canonical_signs(ritz)
+    if isinstance(self.leading, int):
+      k_c = min(r - min(self.leading, r), m - r)
+      if k_c == 0:
+        return linalg.canonical_signs(ritz)
       comp = linalg.complement_basis(u1)
-      cols.append(comp[:, complement_indices(key, m - r, k_c)])
-    return linalg.canonical_signs(jnp.concatenate(cols, axis=1))
+      cols = [ritz[:, : r - k_c], comp[:, complement_indices(key, m - r, k_c)]]
+      return linalg.canonical_signs(jnp.concatenate(cols, axis=1))
+    # traced ``leading`` (optax.inject_hyperparams): draw the largest possible number of
+    # complement columns and keep the first ``k_c`` -- the same indices as above, since
+    # they are a prefix of one permutation
+    k_max = min(r, m - r)
+    k_c = jnp.minimum(r - jnp.clip(self.leading, 0, r), m - r)
+    comp = linalg.complement_basis(u1)[:, complement_indices(key, m - r, k_max)]
+    j = jnp.arange(r)
+    from_comp = j >= r - k_c
+    picked = comp[:, jnp.clip(j - (r - k_c), 0, k_max - 1)]
+    return linalg.canonical_signs(jnp.where(from_comp[None, :], picked, ritz))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +135,9 @@ def switch(*, leading: Optional[int] = None, seed: int = 0, iters: int = 1) -> S
   """
   routing.check_int("leading", leading, low=0, allow_none=True)
   routing.check_int("iters", iters, low=1)
-  return Switch(leading=routing.static_int("leading", leading), seed=seed,
-                iters=routing.static_int("iters", iters))
+  if leading is not None and not isinstance(leading, jax.core.Tracer):
+    leading = int(leading)
+  return Switch(leading=leading, seed=seed, iters=routing.static_int("iters", iters))
 
 
 def svd_refresh() -> SvdRefresh:

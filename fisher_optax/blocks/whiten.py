@@ -52,10 +52,16 @@ def newton_schulz(g: jax.Array, coeffs: Sequence[float] = MUON_COEFFS, steps: in
   x = x / jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
   x = x / (jnp.linalg.norm(x) + eps)
   a, b, cc = (float(v) for v in coeffs)
-  for _ in range(steps):
+
+  def body(_, x):
     s = x @ x.T
-    x = a * x + (b * s + cc * (s @ s)) @ x
-  return x
+    return a * x + (b * s + cc * (s @ s)) @ x
+
+  if isinstance(steps, int):
+    for i in range(steps):
+      x = body(i, x)
+    return x
+  return jax.lax.fori_loop(0, steps, body, x)  # traced (optax.inject_hyperparams)
 
 
 def exact_whitening(g: jax.Array, rcond: float = 1e-6) -> jax.Array:
@@ -86,7 +92,8 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
   if method not in ("newton_schulz", "exact"):
     raise ValueError(f"`method` must be 'newton_schulz' or 'exact', got {method!r}")
   routing.check_int("steps", steps, low=1)
-  steps = routing.static_int("steps", steps)
+  if not isinstance(steps, jax.core.Tracer):
+    steps = int(steps)
   if len(tuple(coeffs)) != 3:
     raise ValueError(f"`coeffs` must be three numbers (a, b, c), got {coeffs!r}")
   routing.check_range("eps", eps, low=0.0, high=1.0)
@@ -122,7 +129,7 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
     routing.check_range("consistent_rms", consistent_rms, low=0.0, high=float("inf"))
 
   def per_matrix(g, view):
-    fan_in, fan_out = view.shape[view.rows], view.shape[view.cols]
+    fan_in, fan_out = view.fan_in, view.fan_out
     if consistent_rms is None:
       c = math.sqrt(max(1.0, fan_out / fan_in))
     else:
