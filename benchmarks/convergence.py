@@ -7,7 +7,8 @@ For each optimizer (default: tuned AdamW, ``optax.contrib.muon``, racs, alice, a
 galore, soap, apollo_mini, swan, and Muon composed of fisher_optax blocks ``fo_muon``; any
 name of ``examples/llama/presets.OPTIMIZERS``):
 
-1. **Sweep** at ``--sweep-steps`` (seed ``--sweep-seed``): peak learning rates on a log
+1. **Sweep** at ``--sweep-steps`` (seed ``--sweep-seed``; five evaluations per run, the
+   last one its score): peak learning rates on a log
    grid ``lr0 * 2^k`` (``lr0`` the optimizer's default from ``presets.default_lr``), at
    first ``k = -2..1`` (four points, a factor 2 apart), extended one point at a time on
    the side of the best point while the best is at an edge of the grid (at most
@@ -56,6 +57,7 @@ from examples.llama import presets
 DEFAULT_OPTIMIZERS = "adamw,muon,racs,alice,alice0,galore,soap,apollo_mini,swan,fo_muon"
 ADAMW_GRID = [dict(b2=b2, weight_decay=wd) for b2 in (0.999, 0.95) for wd in (0.0, 0.1)]
 EVALS_PER_RUN = 40  # every 2.5% of the budget: steps-to-target resolved to well under 5%
+SWEEP_EVALS = 5  # a sweep run is judged by its final eval loss only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +72,11 @@ class RunConfig:
   batch_size: Optional[int]
   eval_batches: int
   vocab_size: Optional[int]
+  evals: int = EVALS_PER_RUN
 
   @property
   def eval_every(self) -> int:
-    return max(1, self.steps // EVALS_PER_RUN)
+    return max(1, self.steps // self.evals)
 
   def key(self) -> str:
     blob = json.dumps(dataclasses.asdict(self) | {"eval_every": self.eval_every},
@@ -197,7 +200,7 @@ def tune(name: str, args, cache: Cache) -> dict:
     def make(lr, hp=hp):
       return RunConfig(args.preset, name, lr, tuple(sorted(hp.items())), args.sweep_steps,
                        args.sweep_seed, args.data, args.batch_size, args.eval_batches,
-                       args.vocab_size)
+                       args.vocab_size, evals=SWEEP_EVALS)
     sw = sweep_lr(make, cache, base, args.max_extend)
     sweeps.append(dict(hparams=hp, **sw))
   done = [s for s in sweeps if s["best_lr"] is not None]
