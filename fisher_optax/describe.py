@@ -87,13 +87,14 @@ def describe(tx: Any, params: Any) -> Description:
     shape = tuple(np.shape(x))
     size = int(math.prod(shape))
     view, r = "-", None
+    if label == "fallback" and routed is not None and routed.dims is None and len(shape) > 2:
+      view = "? *"
+      note = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
+              "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
+              "(Flax NNX) or fo.MatrixDims(...)")
     if label == "structured":
       v = routing.matrix_view(shape, d, smaller_first=True)
       view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
-      if routed.dims is None and len(shape) > 2:
-        view += " *"
-        note = ("* leading axes taken as a stack of independent matrices by the default "
-                "rule; attention/conv kernels need fo.flax_dims(model) or dims=")
       if rank is not None:
         r = min(int(rank), v.m)
     rows.append(LeafRouting(routing.path_to_str(path), shape,

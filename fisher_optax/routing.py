@@ -1,8 +1,9 @@
 """Parameter routing: which leaves are matrices, how they are laid out, and masks.
 
 SPEC.md ("Notation"): a matrix parameter ``W`` and its gradient ``G`` are ``m x n``.
-Leaves with more than two dimensions are *stacks* of independent matrices: by
-default every axis but the last two is a batch axis (scanned layers
+The default mask takes only 2-D leaves as matrices (:func:`default_mask`); a leaf with
+more dimensions that a mask or ``dims`` routes to a block is a *stack* of independent
+matrices: by default every axis but the last two is a batch axis (scanned layers
 ``[layers, m, n]``), each slice with its own optimizer state. :class:`MatrixDims`
 chooses other axes (as ``optax.contrib.muon``'s dimension numbers do).
 
@@ -250,17 +251,27 @@ def is_vector_name(path: Sequence[Any]) -> bool:
 
 
 def default_mask(params: Any, dims: DimsSpec = None) -> Any:
-  """Default routing: a leaf gets the structured rule when its matrix axes (``dims``,
-  default the last two) both have size > 1, its dims entry is not :data:`NOT_A_MATRIX`,
-  and its name is not a vector's (``bias``, ``scale``, ``ln_scale``, ...:
-  :data:`VECTOR_NAMES`), so layer-stacked norm scales ``[L, n]`` and attention biases
-  ``(heads, head_dim)`` go to the fallback. Python scalars are never matrices. Pass an
-  explicit ``mask`` to override."""
+  """Default routing: a leaf gets the structured rule when its matrix axes both have size
+  > 1, its dims entry is not :data:`NOT_A_MATRIX`, and its name is not a vector's
+  (``bias``, ``scale``, ``ln_scale``, ...: :data:`VECTOR_NAMES`), so layer-stacked norm
+  scales ``[L, n]`` and attention biases ``(heads, head_dim)`` go to the fallback.
+
+  Without ``dims`` only 2-D leaves are matrices, as ``optax.contrib.muon``'s default: a
+  leaf with more dims is a layer stack ``(L, in, out)``, an attention kernel ``(in,
+  heads, head_dim)`` or a conv kernel ``(kh, kw, cin, cout)`` and its shape cannot tell
+  which, so it goes to the fallback (``fo.describe`` says so); ``dims`` (e.g.
+  ``fo.flax_dims(model)`` or ``fo.MatrixDims()`` for stacks) routes it. Python scalars
+  are never matrices. Pass an explicit ``mask`` to override."""
   dims_tree = resolve_dims(dims, params)
   check_dims(params, dims_tree, explicit=dims is not None)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, p, d: is_matrix_shape(jnp.shape(p), d) and not is_vector_name(path),
-      params, dims_tree)
+
+  def one(path, p, d):
+    shape = jnp.shape(p)
+    if dims is None and len(shape) > 2:
+      return False
+    return is_matrix_shape(shape, d) and not is_vector_name(path)
+
+  return jax.tree_util.tree_map_with_path(one, params, dims_tree)
 
 
 def check_dims(params: Any, dims_tree: Any, *, explicit: bool = True) -> None:
@@ -295,14 +306,15 @@ def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] =
 
   A pattern that matches no parameter path raises a ``ValueError`` when the mask is
   evaluated (at ``init``), or warns / passes with ``on_unmatched="warn"`` / ``"ignore"``.
+  Without ``dims`` here, the optimizer's ``dims`` decide what is a matrix.
   """
   if on_unmatched not in ("raise", "warn", "ignore"):
     raise ValueError(f"`on_unmatched` must be 'raise', 'warn' or 'ignore', got {on_unmatched!r}")
   inc = [re.compile(p) for p in include] if include is not None else None
   exc = [re.compile(p) for p in exclude]
 
-  def mask_fn(params):
-    base = default_mask(params, dims)
+  def mask_fn(params, optimizer_dims: DimsSpec = None):
+    base = default_mask(params, dims if dims is not None else optimizer_dims)
     paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     unmatched = [p.pattern for p in (inc or []) + exc if not any(p.search(s) for s in paths)]
     if unmatched and paths and on_unmatched != "ignore":
@@ -321,12 +333,15 @@ def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] =
 
     return jax.tree_util.tree_map_with_path(pick, base)
 
+  mask_fn.takes_optimizer_dims = True
   return mask_fn
 
 
 def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
   if mask is None:
     return default_mask(params, dims)
+  if getattr(mask, "takes_optimizer_dims", False):
+    return mask(params, dims)  # a path_mask without dims= uses the optimizer's
   if callable(mask):
     return mask(params)
   return mask

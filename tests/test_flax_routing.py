@@ -66,31 +66,126 @@ def test_describe_reports_merged_views_and_state_of_one_matrix(model):
   assert rows["mha/query/kernel"].state_numbers == m * r + r * r + 2 * n * r + n + 1
   text = str(fo.describe(tx, params))
   assert "mha/out/kernel" in text and "of Adam's" in text
-  # the default rule (no flax_dims) reads the attention kernel as a stack: flagged
-  assert "*" in str(fo.describe(fo.racs(1e-2), params))
+  # the default rule (no dims) cannot tell a stack from an attention or conv kernel:
+  # such leaves go to the fallback, flagged
+  rows = {r.path: r for r in fo.describe(fo.racs(1e-2), params).rows}
+  for k in ("mha/query/kernel", "mha/out/kernel", "conv/kernel", "blocks/lin/kernel"):
+    assert rows[k].rule == "fallback" and rows[k].view == "? *", k
+  assert rows["embed/embedding"].rule == "racs"
+  assert "flax_dims" in fo.describe(fo.racs(1e-2), params).note
 
 
-def test_stacked_model_updates_equal_the_unstacked_models(model):
-  """For deterministic optimizers the nnx.vmap-stacked layers get, layer by layer, the
-  updates that separate (unstacked) layers get."""
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  stacked = {"lin": params["blocks"]["lin"], "ln": params["blocks"]["ln"]}
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size), x.shape),
-                       stacked)
-  layers = [jax.tree.map(lambda x: x[i], stacked) for i in range(L)]
-  layer_grads = [jax.tree.map(lambda x: x[i], grads) for i in range(L)]
-  flat = {f"l{i}": p for i, p in enumerate(layers)}
-  flat_g = {f"l{i}": g for i, g in enumerate(layer_grads)}
-  for name, kw in [("racs", {}), ("galore", dict(rank=4)), ("eigen_adam", {}),
-                   ("shampoo", dict(eps=0.1)), ("swan", {}), ("muon", {})]:
-    tx = getattr(fo, name)(1e-2, **kw)
-    u_s, _ = tx.update(grads, tx.init(stacked), stacked)
-    u_f, _ = tx.update(flat_g, tx.init(flat), flat)
+class LlamaBlock(nnx.Module):
+  """A LLaMA-like block: attention projections, a biased MLP, RMSNorm and LayerNorm."""
+
+  def __init__(self, rngs):
+    lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)
+    self.q, self.k, self.v, self.o = lin(D, D), lin(D, D), lin(D, D), lin(D, D)
+    self.up, self.down = lin(D, 2 * D, bias=True), lin(2 * D, D, bias=True)
+    self.attn_norm = nnx.RMSNorm(D, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(D, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.attn_norm(x)
+    x = x + self.o(self.q(h) * self.k(h) + self.v(h))
+    return x + self.down(jax.nn.silu(self.up(self.mlp_norm(x))))
+
+
+class ScanModel(nnx.Module):
+  """Blocks created with nnx.vmap and applied with nnx.scan: every block parameter has a
+  leading layer axis ``L``."""
+
+  def __init__(self, rngs):
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+      return LlamaBlock(nnx.Rngs(key))
+    self.blocks = make(jax.random.split(jax.random.PRNGKey(0), L))
+    self.head = nnx.Linear(D, 10, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+    return self.head(body(x, self.blocks))
+
+
+class ListModel(nnx.Module):
+  def __init__(self, rngs):
+    self.blocks = nnx.List([LlamaBlock(rngs) for _ in range(L)])
+    self.head = nnx.Linear(D, 10, rngs=rngs)
+
+  def __call__(self, x):
+    for b in self.blocks:
+      x = b(x)
+    return self.head(x)
+
+
+# every optimizer whose update is a function of the gradients alone (no random draws:
+# Alice's complement sampling is off with leading == rank; APOLLO's projections are random)
+DETERMINISTIC = [("racs", {}), ("alice", dict(rank=4, leading=4, interval=2)),
+                 ("alice0", dict(rank=4, leading=4, interval=2)),
+                 ("galore", dict(rank=4, interval=2)), ("fira", dict(rank=4, interval=2)),
+                 ("eigen_adam", dict(interval=2)), ("soap", dict(precondition_frequency=2)),
+                 ("shampoo", dict(interval=2, eps=0.1)), ("swan", {}), ("muon", {})]
+
+
+@pytest.fixture(scope="module")
+def scan_and_list_models():
+  scan = ScanModel(nnx.Rngs(0))
+  x = jnp.ones((2, D))
+  assert scan(x).shape == (2, 10)  # the scan-applied model runs
+  lst = ListModel(nnx.Rngs(1))
+  sp = nnx.to_pure_dict(nnx.state(scan, nnx.Param))
+  lp = nnx.to_pure_dict(nnx.state(lst, nnx.Param))
+  # the list model gets layer i of the stacked parameters
+  lp = dict(lp, head=sp["head"],
+            blocks={i: jax.tree.map(lambda a, i=i: a[i], sp["blocks"]) for i in range(L)})
+  nnx.update(lst, lp)
+  np.testing.assert_allclose(np.asarray(lst(x)), np.asarray(scan(x)), rtol=1e-5, atol=1e-6)
+  return scan, lst
+
+
+def test_scan_stacked_routing_leaf_by_leaf(scan_and_list_models):
+  scan, _ = scan_and_list_models
+  M = fo.MatrixDims
+  t = fo.flax_dims(scan).table
+  for k in ("q", "k", "v", "o", "up", "down"):
+    assert t[f"blocks/{k}/kernel"] == M(rows=1, cols=2), k   # axis 0: the layer stack
+  for k in ("up/bias", "down/bias", "attn_norm/scale", "mlp_norm/scale", "mlp_norm/bias"):
+    assert t[f"blocks/{k}"] is fo.NOT_A_MATRIX, k
+  params = nnx.state(scan, nnx.Param)
+  rows = {r.path: r for r in fo.describe(fo.racs(1e-2, dims=fo.flax_dims(scan)), params).rows}
+  assert rows["blocks/up/kernel"].view == f"{L} x {D} x {2 * D}"
+  assert rows["blocks/down/kernel"].view == f"{L} x {D} x {2 * D}"  # tall: smaller side
+  assert rows["blocks/attn_norm/scale"].rule == "fallback"
+  assert rows["head/kernel"].view == f"10 x {D}"
+
+
+@pytest.mark.parametrize("name,kw", DETERMINISTIC, ids=[n for n, _ in DETERMINISTIC])
+def test_scan_stacked_model_updates_equal_the_unstacked_models(name, kw,
+                                                               scan_and_list_models):
+  """Three steps (a refresh at step 3): the scan-stacked model, routed by
+  ``fo.flax_dims``, gets layer by layer the updates of the model with separate layers."""
+  scan, lst = scan_and_list_models
+  sp = nnx.to_pure_dict(nnx.state(scan, nnx.Param))
+  lp = nnx.to_pure_dict(nnx.state(lst, nnx.Param))
+  tx_s = getattr(fo, name)(1e-2, dims=fo.flax_dims(scan), **kw)
+  tx_l = getattr(fo, name)(1e-2, dims=fo.flax_dims(lst), **kw)
+  st_s, st_l = tx_s.init(sp), tx_l.init(lp)
+  step_s, step_l = jax.jit(tx_s.update), jax.jit(tx_l.update)
+  for t in range(3):
+    g_s = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(x.size + t), x.shape),
+                       sp)
+    g_l = dict(head=g_s["head"],
+               blocks={i: jax.tree.map(lambda a, i=i: a[i], g_s["blocks"]) for i in range(L)})
+    u_s, st_s = step_s(g_s, st_s, sp)
+    u_l, st_l = step_l(g_l, st_l, lp)
     for i in range(L):
-      for leaf in ("kernel", "bias"):
-        np.testing.assert_allclose(np.asarray(u_s["lin"][leaf][i]),
-                                   np.asarray(u_f[f"l{i}"]["lin"][leaf]), rtol=2e-5,
-                                   atol=1e-7, err_msg=f"{name} {leaf}")
+      flat_s = jax.tree_util.tree_leaves_with_path(jax.tree.map(lambda a: a[i], u_s["blocks"]))
+      flat_l = jax.tree_util.tree_leaves_with_path(u_l["blocks"][i])
+      for (path, a), (_, b) in zip(flat_s, flat_l):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=5e-5, atol=1e-7,
+                                   err_msg=f"{name} step {t} layer {i} {path}")
 
 
 def test_a_large_gradient_in_one_layer_stays_in_that_layer():
@@ -100,8 +195,9 @@ def test_a_large_gradient_in_one_layer_stays_in_that_layer():
             "w": jnp.ones((4, 64, 64))}
   g = jax.tree.map(lambda x: jax.random.normal(jax.random.PRNGKey(0), x.shape), params)
   g100 = dict(g, ln_scale=g["ln_scale"].at[1].multiply(100.0))
-  tx = fo.racs(0.01)
-  assert fo.default_mask(params) == {"ln_scale": False, "mha_bias": False, "w": True}
+  tx = fo.racs(0.01, dims=fo.MatrixDims())
+  assert fo.default_mask(params, fo.MatrixDims()) == {"ln_scale": False, "mha_bias": False,
+                                                      "w": True}
   u, _ = tx.update(g, tx.init(params), params)
   u100, _ = tx.update(g100, tx.init(params), params)
   keep = np.array([0, 2, 3])

@@ -39,8 +39,13 @@ def _picker(shape, b, seed=0, leaf_index=0):
   return pick
 
 
+# Leaves with more than two dims are routed only when ``dims`` says how: here, as optax's
+# scanned layers, every axis but the last two is a stack of independent matrices.
+STACK = fo.MatrixDims()
+
+
 def run_library(name, shape, grads, **kw):
-  return _run_opt(getattr(fo, name)(LR, **kw), grads, shape)
+  return _run_opt(getattr(fo, name)(LR, **{"dims": STACK, **kw}), grads, shape)
 
 
 def run_reference(name, shape, grads, leaf_index=0, **kw):
@@ -92,7 +97,7 @@ def check_tree_against_references(name, tree, lib_kw, ref_kw, steps, tol):
   decomposition call per shape; each must still follow its own dense reference."""
   grads = {k: structured_grads(shape, steps, seed=3 + i) for i, (k, shape) in
            enumerate(sorted(tree.items()))}
-  lib = run_library_tree(getattr(fo, name)(LR, **lib_kw), grads)
+  lib = run_library_tree(getattr(fo, name)(LR, **{"dims": STACK, **lib_kw}), grads)
   for i, (k, shape) in enumerate(sorted(tree.items())):  # leaf index = flatten order
     ref = run_reference(name, shape, grads[k], leaf_index=i, **ref_kw)
     for t, (a, b) in enumerate(zip(lib[k], ref), start=1):
@@ -162,7 +167,7 @@ def test_state_sizes_equal_paper_formulas(name, shape):
   kw = dict(rank=rank) if name in ("alice", "alice0", "galore", "fira", "apollo") else {}
   if name.startswith("alice"):
     kw["leading"] = 2
-  opt = getattr(fo, name)(LR, **kw)
+  opt = getattr(fo, name)(LR, dims=STACK, **kw)
   state = jax.eval_shape(opt.init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
   formula, extra = fo.paper_state_numbers(name, shape[-2], shape[-1], rank)
   nmat = int(np.prod(shape[:-2]))
@@ -180,7 +185,7 @@ def test_state_sizes_equal_paper_formulas(name, shape):
 # -------------------------------------------------------------- optax integration
 
 
-NAMED_KW = {
+_NAMED_KW = {
     "racs": {},
     "alice": dict(rank=3, leading=1, interval=2),
     "alice0": dict(rank=3, leading=1, interval=2),
@@ -194,6 +199,7 @@ NAMED_KW = {
     "swan": {},
     "muon": {},
 }
+NAMED_KW = {k: dict(kw, dims=STACK) for k, kw in _NAMED_KW.items()}
 ALL = list(NAMED_KW)
 
 

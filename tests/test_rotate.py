@@ -112,7 +112,7 @@ def test_shampoo_direction_is_inverse_fourth_roots():
 
 @pytest.mark.parametrize("name", ["soap", "shampoo", "eigen_adam"])
 def test_large_embedding_never_builds_the_huge_side(name):
-  state = jax.eval_shape(getattr(fo, name)(LR).init,
+  state = jax.eval_shape(getattr(fo, name)(LR, dims=fo.MatrixDims()).init,
                          {"embed": jax.ShapeDtypeStruct((32000, 2048), jnp.float32)})
   biggest = max(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
   assert biggest <= 32000 * 2048  # no 32000 x 32000 matrix

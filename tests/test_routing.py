@@ -13,7 +13,13 @@ def test_default_mask_selects_matrices_with_both_dims_above_one():
   params = {"w": jnp.zeros((3, 4)), "col": jnp.zeros((5, 1)), "b": jnp.zeros(3),
             "s": jnp.zeros(()), "stack": jnp.zeros((2, 3, 4))}
   mask = fo.default_mask(params)
+  # more than two dims: a stack, an attention or a conv kernel? only dims= can tell
+  assert mask == {"w": True, "col": False, "b": False, "s": False, "stack": False}
+  mask = fo.default_mask(params, fo.MatrixDims())
   assert mask == {"w": True, "col": False, "b": False, "s": False, "stack": True}
+  # a path_mask without dims uses the optimizer's
+  assert fo.path_mask(exclude=["w"])(params)["stack"] is False
+  assert routing.resolve_mask(fo.path_mask(exclude=["w"]), params, fo.MatrixDims())["stack"]
 
 
 def test_path_mask_include_exclude():

@@ -94,7 +94,7 @@ def test_sharded_equals_single_device(name):
 
 
 def test_state_specs_follow_parameter_axes():
-  tx = fo.alice(0.01, rank=4, leading=2)
+  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims())
   specs = fo.state_partition_specs(tx, _params(), SPECS, mesh=_mesh())
   get = lambda name: optax.tree_utils.tree_get(specs, name)
   assert get("basis")["w"] == P("fsdp")                    # U: m x r, split like rows
