@@ -18,7 +18,7 @@ import optax
 
 from fisher_optax import routing
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
-                                 on_coefficients, project_back, random_project, rotate,
+                                 project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
@@ -82,11 +82,12 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
   routing.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
   routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
+  track = low_rank_track(rank=rank, interval=interval, tracking=b3,
+                         refresh=switch(leading=leading, seed=seed), dims=dims,
+                         state_dtype=state_dtype)
   return [
-      low_rank_track(rank=rank, interval=interval, tracking=b3,
-                     refresh=switch(leading=leading, seed=seed), dims=dims,
-                     state_dtype=state_dtype),
-      on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype), rank=rank, dims=dims),
+      track,
+      track.on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype)),
       compensate(method="optimal", weight=alpha_c, b1=b1, limiter=limiter, dims=dims),
       optax.scale(alpha),
   ]
@@ -134,11 +135,9 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
 
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
-  return [
-      low_rank_track(rank=rank, interval=interval, refresh=svd_refresh(), dims=dims,
-                     state_dtype=state_dtype),
-      on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype), rank=rank, dims=dims),
-  ]
+  track = low_rank_track(rank=rank, interval=interval, refresh=svd_refresh(), dims=dims,
+                         state_dtype=state_dtype)
+  return [track, track.on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype))]
 
 
 def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
@@ -275,8 +274,8 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
   routing.check_range("scale", scale, low=0.0, high=float("inf"))
   routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
-  blocks = [random_project(rank=rank, interval=interval, seed=seed, dims=dims),
-            on_coefficients(scale_by_moments(b1, b2, eps), rank=rank, dims=dims),
+  project = random_project(rank=rank, interval=interval, seed=seed, dims=dims)
+  blocks = [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),
             scale_by_subspace_ratio(kind)]
   if limiter is not None:
     blocks.append(norm_growth_limiter(limiter, dims=dims))

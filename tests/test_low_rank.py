@@ -108,3 +108,49 @@ def test_nan_refresh_keeps_previous_basis():
   before = np.asarray(s.basis["w"])
   _, s = tx.update({"w": g.at[0, 0].set(jnp.nan)}, s)
   np.testing.assert_array_equal(np.asarray(s.basis["w"]), before)
+
+
+def _low_rank_updates(*middle, steps=3):
+  track = fo.low_rank_track(rank=3, interval=2, tracking=0.9)
+  tx = optax.chain(track, track.on_coefficients(optax.scale_by_adam()), *middle,
+                   fo.project_back())
+  p = {"w": jnp.zeros((6, 10))}
+  s, out = tx.init(p), []
+  step = jax.jit(tx.update)
+  for g in _grads((6, 10), steps, seed=4):
+    u, s = step({"w": g}, s, p)
+    out.append(np.asarray(u["w"]))
+  return out
+
+
+def test_a_generic_transformation_between_the_ends_sees_only_the_coefficients():
+  """``optax.scale(2)`` between low_rank_track and project_back doubles the update (it
+  does not also scale the basis: 4x), and a clip acts on the coefficients' norm."""
+  plain, doubled = _low_rank_updates(), _low_rank_updates(optax.scale(2.0))
+  for a, b in zip(plain, doubled):
+    np.testing.assert_allclose(b, 2 * a, rtol=1e-5, atol=1e-7)
+  clipped = _low_rank_updates(optax.clip_by_global_norm(1e-3))
+  for a, c in zip(plain, clipped):
+    # U has orthonormal columns, so ||U c|| = ||c||: the dense update has the clipped norm
+    np.testing.assert_allclose(np.linalg.norm(c), min(np.linalg.norm(a), 1e-3), rtol=1e-4)
+    np.testing.assert_allclose(c / np.linalg.norm(c), a / np.linalg.norm(a), atol=1e-5)
+
+
+def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
+  track = fo.low_rank_track(rank=3, interval=2, dims=fo.MatrixDims())
+  assert (track.rank, track.dims) == (3, fo.MatrixDims())
+  bound = optax.chain(track, track.on_coefficients(optax.scale_by_adam()), fo.project_back())
+  free = optax.chain(fo.low_rank_track(rank=3, interval=2, dims=fo.MatrixDims()),
+                     fo.on_coefficients(optax.scale_by_adam(), rank=3, dims=fo.MatrixDims()),
+                     fo.project_back())
+  p = {"w": jnp.zeros((2, 6, 10))}
+  g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((2, 6, 10)), jnp.float32)}
+  ub, _ = bound.update(g, bound.init(p), p)
+  uf, _ = free.update(g, free.init(p), p)
+  np.testing.assert_array_equal(np.asarray(ub["w"]), np.asarray(uf["w"]))
+  proj = fo.random_project(rank=2)
+  assert proj.rank == 2 and proj.on_coefficients(optax.identity()) is not None
+  # a stateful transformation outside on_coefficients fails loudly (its state is dense)
+  bad = optax.chain(track, optax.scale_by_adam(), fo.project_back())
+  with pytest.raises(ValueError, match="Subspace"):
+    bad.update(g, bad.init(p), p)

@@ -33,7 +33,6 @@ applies it as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) G (G^T U)``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -45,27 +44,85 @@ from fisher_optax import linalg, routing
 from fisher_optax.blocks import switching as switching_lib
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+class _Context:
+  """The arrays a low-rank chain carries past the transformations between its ends.
+
+  Held as static (identity-compared) pytree metadata of :class:`Subspace`, so that a
+  generic optax transformation placed between :func:`low_rank_track` and
+  :func:`project_back` / :func:`fisher_optax.compensate` sees only the coefficients.
+  """
+
+  __slots__ = ("sigma", "basis", "grad")
+
+  def __init__(self, sigma, basis, grad):
+    self.sigma, self.basis, self.grad = sigma, basis, grad
+
+
+@jax.tree_util.register_pytree_node_class
 class Subspace:
-  """Per-matrix message between low-rank blocks (a pytree node).
+  """Per-matrix message between low-rank blocks (a pytree node whose only leaf is
+  ``coeffs``).
 
   Attributes:
-    coeffs: ``batch + (r, n)``: what :func:`on_coefficients` transforms
-      (starts as ``sigma``).
+    coeffs: ``batch + (r, n)``: what the transformations between the chain's ends act on
+      (starts as ``sigma``). Any optax transformation placed there sees these and
+      nothing else: ``optax.scale(2)`` doubles the update, ``optax.clip_by_global_norm``
+      clips the coefficients' norm; a stateful one goes in :func:`on_coefficients` (its
+      state needs the coefficient shapes at ``init``).
     sigma: ``batch + (r, n)``: the raw projected gradient ``U^T G``.
     basis: ``batch + (m, r)``: the orthonormal basis ``U``.
     grad: ``batch + (m, n)``: the gradient in canonical layout (float32).
-    view: static: how to map canonical arrays back to the leaf layout.
-    dtype: static: the gradient's dtype (dense outputs are cast to it).
+    view: how to map canonical arrays back to the leaf layout.
+    dtype: the gradient's dtype (dense outputs are cast to it).
+
+  ``sigma``, ``basis`` and ``grad`` live in the node's static metadata for the length of
+  one update: a ``Subspace`` is created and consumed inside one traced step and is not
+  meant to be returned from a ``jax.jit`` of a partial chain.
   """
 
-  coeffs: jax.Array
-  sigma: jax.Array
-  basis: jax.Array
-  grad: jax.Array
-  view: routing.MatrixView = dataclasses.field(metadata=dict(static=True))
-  dtype: Any = dataclasses.field(metadata=dict(static=True))
+  def __init__(self, coeffs, sigma=None, basis=None, grad=None, view=None, dtype=None, *,
+               context: Optional[_Context] = None):
+    self.coeffs = coeffs
+    self._context = context if context is not None else _Context(sigma, basis, grad)
+    self.view, self.dtype = view, dtype
+
+  sigma = property(lambda self: self._context.sigma)
+  basis = property(lambda self: self._context.basis)
+  grad = property(lambda self: self._context.grad)
+
+  def with_coeffs(self, coeffs) -> "Subspace":
+    return Subspace(coeffs, view=self.view, dtype=self.dtype, context=self._context)
+
+  def tree_flatten(self):
+    return (self.coeffs,), (self._context, self.view, self.dtype)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    context, view, dtype = aux
+    return cls(children[0], view=view, dtype=dtype, context=context)
+
+  def __repr__(self):
+    return f"Subspace(coeffs={getattr(self.coeffs, 'shape', self.coeffs)}, view={self.view})"
+
+
+class SubspaceSource(optax.GradientTransformation):
+  """A transformation that emits :class:`Subspace` nodes (:func:`low_rank_track`,
+  :func:`~fisher_optax.random_project`); it knows its ``rank`` and ``dims``, so
+  ``source.on_coefficients(inner)`` needs them no second time::
+
+    track = fo.low_rank_track(rank=8, interval=200)
+    galore_like = optax.chain(track, track.on_coefficients(optax.scale_by_adam()),
+                              fo.project_back())
+  """
+
+  def on_coefficients(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    return on_coefficients(inner, rank=self.rank, dims=self.dims)
+
+
+def subspace_source(init_fn, update_fn, *, rank: int, dims: routing.DimsSpec) -> SubspaceSource:
+  out = SubspaceSource(init_fn, update_fn)
+  out.rank, out.dims = rank, dims
+  return out
 
 
 def is_subspace(x: Any) -> bool:
@@ -92,7 +149,7 @@ class LowRankTrackState(NamedTuple):
 
 def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
                    refresh: Optional[Any] = None, dims: routing.DimsSpec = None,
-                   state_dtype: Optional[jnp.dtype] = None) -> optax.GradientTransformation:
+                   state_dtype: Optional[jnp.dtype] = None) -> "SubspaceSource":
   """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
 
   Every step: ``sigma = U^T G``; if ``tracking > 0``:
@@ -216,7 +273,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
         key=state.key)
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return subspace_source(init_fn, update_fn, rank=rank, dims=dims)
 
 
 class OnCoefficientsState(NamedTuple):
@@ -229,7 +286,9 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
 
   ``inner`` sees a tree of ``batch + (r, n)`` arrays (``r`` clipped per matrix)
   and must not need ``params``. ``rank`` and ``dims`` must equal those given to
-  :func:`low_rank_track` (they define the coefficient shapes at ``init``).
+  :func:`low_rank_track` (they define the coefficient shapes at ``init``);
+  ``track.on_coefficients(inner)`` (:class:`SubspaceSource`) takes them from the
+  tracking block itself.
   """
   routing.check_int("rank", rank, low=1)
   rank = routing.static_int("rank", rank)
@@ -258,7 +317,7 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
 
     coeffs = jax.tree.map(get, updates, is_leaf=is_subspace)
     new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
-    out = jax.tree.map(lambda s, c: dataclasses.replace(s, coeffs=c.astype(jnp.float32)),
+    out = jax.tree.map(lambda s, c: s.with_coeffs(c.astype(jnp.float32)),
                        updates, new_coeffs, is_leaf=is_subspace)
     return out, OnCoefficientsState(inner_state=inner_state)
 

@@ -46,7 +46,7 @@ class RandomProjectState(NamedTuple):
 
 
 def random_project(*, rank: int, interval: int = 200, seed: int = 0,
-                   dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+                   dims: routing.DimsSpec = None) -> low_rank.SubspaceSource:
   """Projects each matrix gradient with a seeded Gaussian ``U`` (APOLLO); emits ``Subspace``.
 
   Args:
@@ -90,7 +90,7 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     seeds = jax.tree.map(lambda _, r: r[1], updates, res)
     return nodes, RandomProjectState(count=optax.safe_int32_increment(state.count), seed=seeds)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return low_rank.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
 
 
 def norm_ratio(coeffs: jax.Array, sigma: jax.Array, kind: str) -> jax.Array:
