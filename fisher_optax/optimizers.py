@@ -33,6 +33,66 @@ def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
                                   hyperparam_dtype=hyperparam_dtype)
 
 
+_PAPER = "Gong, Scetbon, Ma, Meeds 2025, arXiv:2502.07752"
+
+_COMMON_ARGS = """\
+    weight_decay: decoupled weight decay ``lambda`` on the structured leaves
+      (``W <- W - lr * (direction + lambda * W)``, as ``optax.adamw``); a float or a
+      schedule; default 0 (the paper uses none).
+    mask: which leaves get the structured rule: a tree of bools, a callable on the
+      params (e.g. :func:`~fisher_optax.path_mask`), or ``None`` (default: every
+      2-D leaf whose sides are both > 1 and whose name is not a bias or norm scale;
+      :func:`~fisher_optax.routing.default_mask`). The others get ``fallback``.
+    dims: which axes of each leaf are the matrix rows and columns
+      (:class:`~fisher_optax.MatrixDims`, a tree or callable of them, or
+      :func:`~fisher_optax.flax_dims` for a Flax NNX model); other axes are stacks of
+      independent matrices. Default ``None``: 2-D leaves as ``(m, n)``, leaves with more
+      dims to the fallback.
+    fallback: transformation for the other leaves (default ``optax.adam(learning_rate)``
+      run in float32), e.g. ``optax.adamw(lr, weight_decay=0.1)``."""
+
+
+_APOLLO_ARGS = """\
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: Adam's ``epsilon`` (release: 1e-6).
+    limiter: norm-growth limit (release: 1.01); ``None`` disables it.
+    seed: base seed of the projections."""
+
+
+def _documented(example: str):
+  """Completes a named optimizer's docstring: the arguments every named optimizer
+  shares (``{common}`` in its Args), the paper reference, and a runnable example."""
+
+  def wrap(fn):
+    doc = fn.__doc__.replace("{common}", _COMMON_ARGS).replace("{apollo}", _APOLLO_ARGS)
+    doc = doc.rstrip() + "\n\n  Returns:\n    An ``optax.GradientTransformationExtraArgs``.\n"
+    doc += "\n  Example:\n" + "".join(f"    {line}\n" if line else "\n"
+                                         for line in example.strip().splitlines())
+    doc += f"\n  Reference:\n    {_PAPER}.\n"
+    fn.__doc__ = doc
+    return fn
+
+  return wrap
+
+
+_EXAMPLE = """\
+>>> import jax, jax.numpy as jnp, optax
+>>> import fisher_optax as fo
+>>> params = {{"w": jnp.ones((8, 16)), "b": jnp.zeros((16,))}}
+>>> tx = fo.{call}
+>>> state = tx.init(params)
+>>> grads = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
+>>> updates, state = tx.update(grads, state, params)
+>>> params = optax.apply_updates(params, updates)
+>>> params["w"].shape
+(8, 16)"""
+
+
+def _ex(call: str) -> str:
+  return _EXAMPLE.format(call=call)
+
+
 def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0, *,
             name: str = "structured", rank: Optional[int] = None):
   """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
@@ -53,17 +113,36 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
                        info=dict(name=name, rank=rank))
 
 
+@_documented(_ex('racs(1e-2)'))
 def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
-  """RACS (paper Sec. 4, Alg. "RACS"): ``W <- W - lr * alpha * eta * Q^-1/2 G S^-1/2``.
+  r"""RACS, row and column scaled SGD (paper Sec. 4, Alg. "RACS").
 
-  Chain: :func:`scale_by_two_sided` -> :func:`norm_growth_limiter` ->
-  ``scale(alpha)`` -> ``scale_by_learning_rate``. ``limiter=None`` drops the limiter.
-  State per matrix: ``m + n + 1`` numbers.
+  .. math::
+
+    s, q &\leftarrow \beta (s, q) + (1 - \beta)\, \mathrm{fixpoint}(G \odot G)
+    \qquad W \leftarrow W - \eta_t\, \alpha\, \phi_t\,
+    \mathrm{diag}(q)^{-1/2}\, G\, \mathrm{diag}(s)^{-1/2}
+
+  where ``(s, q)`` is the fixed point of Prop. "Two-sided scaling" (the optimal
+  ``S (x) Q`` FIM structure, Sec. 3.3) and ``phi_t`` the norm-growth limiter.
+  Chain: :func:`scale_by_two_sided` -> :func:`norm_growth_limiter` -> ``scale(alpha)``
+  -> ``scale_by_learning_rate``. State per ``m x n`` matrix: ``m + n + 1`` numbers.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule (paper 130M: 0.02 with
+      ``alpha`` 0.05).
+    beta: EMA decay of the scales ``s, q`` (paper: 0.9).
+    alpha: update scale (paper: 0.05).
+    iters: fixed-point iterations per step (paper: 5); may be traced.
+    limiter: norm-growth limit ``gamma`` of the update (paper: 1.01, Fira's); ``None``
+      disables it.
+    eps: relative floor of the scales (``max(s) * eps``).
+{common}
   """
   routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
@@ -93,6 +172,7 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
   ]
 
 
+@_documented(_ex('alice(1e-2, rank=4, leading=1)'))
 def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
           interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
           b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
@@ -101,13 +181,42 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
           dims: routing.DimsSpec = None,
           fallback: Optional[optax.GradientTransformation] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
-  """Alice (paper Sec. 5.4, Alg. "Alice"): ``W <- W - lr * alpha * (U omega + alpha_c C)``.
+  r"""Alice, low-rank Eigen-Adam with tracking, switching and compensation (paper Sec. 5.4,
+  Alg. "Alice").
 
-  Chain: :func:`low_rank_track` (tracking ``b3``, refresh :func:`switch` with
-  ``leading``) -> :func:`on_coefficients` (:func:`scale_by_moments` ``b1, b2``,
-  no bias correction) -> :func:`compensate` (optimal, ``alpha_c``, decay ``b1``,
-  limiter) -> ``scale(alpha)`` -> ``scale_by_learning_rate``.
-  State per ``m x n`` matrix (``m <= n``): ``mr + r^2 + 2nr + n + 1``.
+  .. math::
+
+    \sigma = U^\top G,\quad \tilde Q \leftarrow \beta_3 \tilde Q + (1-\beta_3)
+    \sigma\sigma^\top,\quad \omega = \frac{M}{\sqrt{V} + \epsilon},\quad
+    W \leftarrow W - \eta_t\, \alpha\, (U \omega + \alpha_c\, C)
+
+  with ``M, V`` the EMAs (``b1, b2``, no bias correction) of ``sigma``, ``U`` (``m x r``,
+  ``m <= n``) refreshed every ``interval`` steps by subspace iteration on
+  ``Q = U Q~ U^T + G G^T`` with subspace switching (``leading`` leading eigenvectors
+  plus ``r - leading`` drawn from the complement; Alg. "Subspace switching"), and ``C``
+  the optimal compensation of the complement (Thm. "Optimal compensation") under a
+  norm-growth limiter. Chain: :func:`low_rank_track` -> ``on_coefficients``
+  (:func:`scale_by_moments`) -> :func:`compensate` -> ``scale(alpha)`` ->
+  ``scale_by_learning_rate``. State per ``m x n`` matrix: ``mr + r^2 + 2nr + n + 1``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule (paper 130M: 0.02).
+    rank: ``r``, clipped per matrix to ``min(m, n)`` (paper: 256); static.
+    leading: eigenvectors kept at a switch, ``0 <= leading <= rank`` (paper: 40); the
+      other ``rank - leading`` columns come from the complement.
+    interval: refresh period ``K`` of the basis (paper: 200).
+    alpha: update scale (paper: 0.3).
+    alpha_c: compensation weight (paper: 0.4).
+    b1: first-moment decay (paper: 0.9); also the compensation's EMA decay.
+    b2: second-moment decay (paper: 0.9).
+    b3: tracking decay of ``Q~`` (paper: 0.999).
+    limiter: norm-growth limit ``gamma`` of the compensation (paper: 1.01); ``None``
+      disables it.
+    eps: Adam's ``epsilon``.
+    seed: seed of the complement draws at a switch.
+{common}
+    state_dtype: dtype of ``U``, ``Q~`` and the moments in the state (default float32;
+      decompositions always run in float32).
   """
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
@@ -116,6 +225,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
                  weight_decay, name="alice", rank=rank)
 
 
+@_documented(_ex('alice0(1e-2, rank=4, leading=1)'))
 def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
            interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
@@ -123,9 +233,30 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
            dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
-  """Alice-0: :func:`alice` with ``b3 = 0`` (no ``r x r`` tracking state).
+  r"""Alice-0: :func:`alice` without tracking (``b3 = 0``: no ``r x r`` state; paper Sec.
+  5.4).
 
-  State per matrix: ``mr + 2nr + n + 1``.
+  .. math::
+
+    W \leftarrow W - \eta_t\, \alpha\, (U \omega + \alpha_c\, C),\qquad
+    U = \mathrm{switch}(\mathrm{eig}_r(G G^\top)) \text{ every } K \text{ steps}
+
+  State per ``m x n`` matrix: ``mr + 2nr + n + 1``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule (paper 130M: 0.02).
+    rank: ``r``, clipped per matrix to ``min(m, n)`` (paper: 256); static.
+    leading: eigenvectors kept at a switch (paper: 40).
+    interval: refresh period ``K`` (paper: 200).
+    alpha: update scale (paper: 0.3).
+    alpha_c: compensation weight (paper: 0.4).
+    b1: first-moment decay (paper: 0.9).
+    b2: second-moment decay (paper: 0.9).
+    limiter: norm-growth limit of the compensation (paper: 1.01); ``None`` disables it.
+    eps: Adam's ``epsilon``.
+    seed: seed of the complement draws.
+{common}
+    state_dtype: dtype of the state arrays (default float32).
   """
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
@@ -140,19 +271,35 @@ def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
   return [track, track.on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype))]
 
 
+@_documented(_ex('galore(1e-2, rank=4)'))
 def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
            dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
-  """GaLore (paper App. Alg. "GaLore"), as its release behaves.
+  r"""GaLore (Zhao et al. 2024, arXiv:2403.03507; paper App. "Low rank optimizers"), as its
+  release behaves.
 
-  ``U`` = top-``r`` left singular vectors of ``G`` every ``interval`` steps; Adam on
-  ``sigma = U^T G``; ``W <- W - lr * c_t * scale * U (M / (sqrt(V) + eps))`` with the
-  release's step-size bias correction ``c_t = sqrt(1 - b2^t) / (1 - b1^t)``.
-  The smaller side is projected (the release's "std" mode). ``eps`` defaults to
-  the release's 1e-6. State per matrix: ``mr + 2nr``.
+  .. math::
+
+    U = \mathrm{svd}_r(G) \text{ every } K \text{ steps},\quad \sigma = U^\top G,\quad
+    W \leftarrow W - \eta_t\, c_t\, \mathrm{scale}\; U \frac{M}{\sqrt{V} + \epsilon},
+    \quad c_t = \frac{\sqrt{1 - b_2^t}}{1 - b_1^t}
+
+  The smaller side is projected (the release's "std" mode; ``optax.contrib.galore``
+  projects the larger). State per ``m x n`` matrix: ``mr + 2nr``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    rank: ``r`` (paper: 256); static.
+    interval: SVD refresh period ``K`` (paper: 200).
+    scale: GaLore's ``alpha`` (default 0.3, the paper's runs).
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: Adam's ``epsilon`` (release: 1e-6).
+{common}
+    state_dtype: dtype of the state arrays (default float32).
   """
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
@@ -160,6 +307,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
                  rank=rank)
 
 
+@_documented(_ex('fira(1e-2, rank=4)'))
 def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
          scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          limiter: Optional[float] = 1.01,
@@ -167,11 +315,29 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None,
          state_dtype=None) -> optax.GradientTransformationExtraArgs:
-  """Fira: GaLore plus Fira's norm-based scaled residual and 1.01 limiter (its release).
+  r"""Fira (Chen et al. 2024, arXiv:2410.01623): GaLore plus the norm-based scaled residual
+  and a norm-growth limiter, as its release.
 
-  ``W <- W - lr * c_t * (scale * U omega + eta * (G - scale * U sigma) diag(phi))`` with
-  ``phi_j = ||omega_j|| / ||sigma_j||`` (see :func:`compensate`, ``method="fira"``).
-  State per matrix: ``mr + 2nr + 1``.
+  .. math::
+
+    W \leftarrow W - \eta_t\, c_t \left(\mathrm{scale}\; U\omega + \phi_t\,
+    (G - \mathrm{scale}\; U\sigma)\, \mathrm{diag}(\psi)\right),\quad
+    \psi_j = \frac{\|\omega_j\|}{\|\sigma_j\|}
+
+  (:func:`compensate` with ``method="fira"``). State per ``m x n`` matrix: ``mr + 2nr + 1``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    rank: ``r`` (paper: 256); static.
+    interval: SVD refresh period (paper: 200).
+    scale: GaLore's ``alpha`` (default 0.3, the paper's runs).
+    b1: first-moment decay.
+    b2: second-moment decay.
+    eps: Adam's ``epsilon`` (release: 1e-6).
+    limiter: norm-growth limit ``gamma`` of the residual (release: 1.01); ``None``
+      disables it.
+{common}
+    state_dtype: dtype of the state arrays (default float32).
   """
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
       compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
@@ -190,6 +356,7 @@ fira.static_args = ("rank",)
 # ------------------------------------------------------------------ rotation family
 
 
+@_documented(_ex('eigen_adam(1e-3, interval=2)'))
 def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1: float = 0.9,
                b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
                max_precond_dim: Optional[int] = None,
@@ -197,13 +364,26 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                dims: routing.DimsSpec = None,
                fallback: Optional[optax.GradientTransformation] = None
                ) -> optax.GradientTransformationExtraArgs:
-  """Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, App. Alg.).
+  r"""Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, Alg. "Eigen-Adam").
 
-  ``Q <- b3 Q + (1 - b3) G G^T``; ``U = eig(Q)`` (full, smaller side) when
-  ``(t - 1) mod interval == 0``; Adam moments of ``U^T G`` without bias correction,
-  the first moment re-expressed on a basis change (= kept in the original space);
-  ``W <- W - lr * U (M / (sqrt(V) + eps))``. Betas default to Alice's (its low-rank
-  extension). State per matrix: ``m^2`` (Q) + ``m^2`` (U) + ``2mn``.
+  .. math::
+
+    Q \leftarrow b_3 Q + (1 - b_3) G G^\top,\quad U = \mathrm{eig}(Q)
+    \text{ when } (t-1) \bmod K = 0,\quad
+    W \leftarrow W - \eta_t\, U \frac{M}{\sqrt{V} + \epsilon}
+
+  with ``M, V`` the EMAs of ``U^T G`` (no bias correction; ``M`` re-expressed on a basis
+  change), on the smaller side. State per ``m x n`` matrix: ``2 m^2 + 2 m n``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    interval: eigenbasis refresh period ``K`` (default 10).
+    b1: first-moment decay (Alice's 0.9).
+    b2: second-moment decay (Alice's 0.9).
+    b3: decay of the statistic ``Q`` (0.999).
+    eps: Adam's ``epsilon``.
+    max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
+{common}
   """
   blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh="eigh", reexpress=("mu",),
@@ -211,6 +391,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="eigen_adam")
 
 
+@_documented(_ex('soap(1e-3, precondition_frequency=2)'))
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: Optional[float] = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
@@ -218,14 +399,29 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
-  """SOAP (paper Sec. 3.5, App. Alg. SOAP), as the SOAP authors' reference optimizer.
+  r"""SOAP (Vyas et al. 2024, arXiv:2409.11321; paper Sec. 3.5, App. "SOAP/AdaDiag++"), as
+  the SOAP authors' reference optimizer.
 
-  Step 1 initialises ``L, R`` (EMA ``shampoo_beta``, default ``b2``) and their
-  eigenbases and makes no update; then Adam (bias-corrected, torch-AdamW form) on
-  ``U_L^T G U_R``, statistics updated after the step, refresh every
-  ``precondition_frequency`` updates by sorting + one power iteration + QR, with
-  the second moment permuted and the first moment re-expressed. Sides larger than
-  ``max_precond_dim`` (``None``: the standard 10000) are not rotated.
+  .. math::
+
+    L \leftarrow \beta L + (1-\beta) G G^\top,\ R \leftarrow \beta R + (1-\beta)
+    G^\top G,\quad \tilde G = Q_L^\top G Q_R,\quad
+    W \leftarrow W - \eta_t\, Q_L\, \mathrm{Adam}(\tilde G)\, Q_R^\top
+
+  Step 1 initialises ``L, R`` and their eigenbases and makes no update; statistics are
+  updated after the step; the bases are refreshed every ``precondition_frequency``
+  updates by one power iteration + QR, with ``V`` permuted and ``M`` re-expressed.
+  State per ``m x n`` matrix: ``2 m^2 + 2 n^2 + 2 m n``.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    b1: Adam's first-moment decay (reference: 0.95).
+    b2: Adam's second-moment decay (reference: 0.95).
+    shampoo_beta: decay of ``L, R`` (default ``b2``).
+    eps: Adam's ``epsilon``.
+    precondition_frequency: basis refresh period (reference: 10).
+    max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
+{common}
   """
   routing.check_int("precondition_frequency", precondition_frequency, low=1)
   routing.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
@@ -237,15 +433,31 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="soap")
 
 
+@_documented(_ex('shampoo(1e-3, interval=2)'))
 def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
             max_precond_dim: Optional[int] = None,
             weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
             dims: routing.DimsSpec = None,
             fallback: Optional[optax.GradientTransformation] = None
             ) -> optax.GradientTransformationExtraArgs:
-  """Shampoo (paper App. Alg. Shampoo): ``L = eps I + sum G G^T``, ``R = eps I + sum G^T G``,
-  ``W <- W - lr * L^-1/4 G R^-1/4`` with the inverse roots (eigendecompositions)
-  recomputed when ``(t - 1) mod interval == 0``.
+  r"""Shampoo (Gupta et al. 2018, arXiv:1802.09568; paper Sec. 3.2, App. "Shampoo").
+
+  .. math::
+
+    L \leftarrow L + G G^\top,\ R \leftarrow R + G^\top G,\quad
+    W \leftarrow W - \eta_t\, (L + \epsilon I)^{-1/4}\, G\, (R + \epsilon I)^{-1/4}
+
+  with the inverse roots (eigendecompositions) recomputed when ``(t-1) mod K == 0``.
+  State per ``m x n`` matrix: ``2 m^2 + 2 n^2`` (statistics and roots).
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    eps: ``epsilon`` added to ``L, R``; keep it well above float32's resolution of
+      their eigenvalues.
+    interval: root refresh period ``K`` (default 10).
+    max_precond_dim: sides larger than this are not preconditioned (``None``: 10000);
+      static.
+{common}
   """
   routing.check_range("eps", eps, low=0.0, high=float("inf"))
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
@@ -285,6 +497,7 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
                  name="apollo" if kind == "channel" else "apollo_mini", rank=rank)
 
 
+@_documented(_ex('apollo(1e-2, rank=4)'))
 def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 1.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            limiter: Optional[float] = 1.01, seed: int = 0,
@@ -292,19 +505,34 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            dims: routing.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None
            ) -> optax.GradientTransformationExtraArgs:
-  """APOLLO (paper App. Alg. "Apollo"), as its release: channel-wise scaling.
+  r"""APOLLO (Zhu et al. 2024, arXiv:2412.05270; paper App. "Apollo"), as its release:
+  channel-wise scaling.
 
-  ``sigma = U^T G`` with a seeded Gaussian ``U`` (``N(0, 1/r)``, new seed every
-  ``interval`` steps, never stored); Adam moments of ``sigma``;
-  ``s_j = ||adam_j|| / ||sigma_j||``; ``W <- W - lr * c_t * sqrt(scale) * limiter(G diag(s))``
-  with the release's step-size bias correction ``c_t`` and ``sqrt(scale)``.
-  State per matrix: ``2nr + 1`` (+ a seed).
+  .. math::
+
+    \sigma = U^\top G,\ U \sim \mathcal N(0, 1/r) \text{ (seeded, renewed every } K),
+    \quad s_j = \frac{\|\mathrm{Adam}(\sigma)_j\|}{\|\sigma_j\|},\quad
+    W \leftarrow W - \eta_t\, c_t \sqrt{\mathrm{scale}}\; \phi_t\, G\,
+    \mathrm{diag}(s)
+
+  ``U`` is regenerated from its seed and never stored. State per ``m x n`` matrix:
+  ``2nr + 1`` (+ a seed).
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    rank: ``r`` (release: 256); static.
+    interval: projection renewal period ``K`` (release: 200).
+    scale: APOLLO's scale (release: 1 for channel-wise); the update is multiplied by
+      ``sqrt(scale)`` as in the release.
+{apollo}
+{common}
   """
   return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
                  b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
                  fallback=fallback, weight_decay=weight_decay)
 
 
+@_documented(_ex('apollo_mini(1e-2)'))
 def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 scale: float = 128.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
                 limiter: Optional[float] = 1.01, seed: int = 0,
@@ -312,9 +540,22 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 dims: routing.DimsSpec = None,
                 fallback: Optional[optax.GradientTransformation] = None
                 ) -> optax.GradientTransformationExtraArgs:
-  """APOLLO-mini: rank 1, tensor-wise scaling (``scale`` 128 as in the release's scripts).
+  r"""APOLLO-mini (Zhu et al. 2024, arXiv:2412.05270): :func:`apollo` at rank 1 with
+  tensor-wise scaling.
 
-  State per matrix: ``2n + 2`` numbers (moments, limiter norm, seed; paper App.).
+  .. math::
+
+    s = \frac{\|\mathrm{Adam}(\sigma)\|}{\|\sigma\|},\quad
+    W \leftarrow W - \eta_t\, c_t \sqrt{\mathrm{scale}}\; \phi_t\, s\, G
+
+  State per ``m x n`` matrix: ``2n + 2`` numbers (paper App. "Memory consumption").
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    interval: projection renewal period (release: 200).
+    scale: release scripts' 128.
+{apollo}
+{common}
   """
   return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
                  b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
@@ -327,21 +568,34 @@ apollo.static_args = ("rank",)
 # ----------------------------------------------------------- normalization / whitening
 
 
+@_documented(_ex('swan(1e-3)'))
 def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
-  """SWAN (paper App. "SWAN", Eq. "SWAN update"; Ma et al. 2024, arXiv 2412.13148):
-  ``W <- W - lr * c * GradWhitening(GradNorm(G))``, no optimizer state for matrices.
+  r"""SWAN (Ma et al. 2024, arXiv:2412.13148; paper App. "SWAN", Sec. 3.3): stateless
+  normalization then whitening.
+
+  .. math::
+
+    W \leftarrow W - \eta_t\, c\; \mathrm{GradWhitening}(\mathrm{GradNorm}(G)),
+    \quad \mathrm{GradWhitening}(X) = (X X^\top)^{-1/2} X
 
   Chain: :func:`normalize` (``axis="rows", center=True``: SWAN's ``GradNorm``) ->
-  :func:`whiten` (Newton--Schulz, ``steps`` and ``coeffs``) -> ``c =
-  sqrt(max(m, n)) * consistent_rms`` (:func:`scale_by_shape`: the update's
-  RMS becomes ``consistent_rms``, so Adam-range learning rates apply; ``None`` uses
-  Muon's ``sqrt(max(1, n / m))``) -> ``scale_by_learning_rate``. The scale is our
-  choice (the paper gives none). State per matrix: none.
+  :func:`whiten` (Newton--Schulz) -> :func:`scale_by_shape` (``c = sqrt(max(m, n)) *
+  consistent_rms``: the update's RMS is ``consistent_rms``, so Adam-range learning rates
+  apply; the scale is our choice, the paper gives none). State per matrix: none.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    steps: Newton--Schulz iterations (Muon's 5); may be traced.
+    coeffs: Newton--Schulz polynomial coefficients (Muon's ``(3.4445, -4.7750, 2.0315)``).
+    consistent_rms: RMS of the update (0.2, Moonshot's Muon convention); ``None`` uses
+      Muon's ``sqrt(max(1, n / m))``.
+    eps: floor of the normalizations.
+{common}
   """
   blocks = [normalize(axis="rows", center=True, eps=eps, dims=dims),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
@@ -349,19 +603,36 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="swan")
 
 
+@_documented(_ex('muon(1e-3)'))
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
          steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: routing.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
-  """Muon by composition (paper App. "Muon", Eq. "Muon update"; Jordan et al. 2024):
-  ``W <- W - lr * c * GradWhitening(m_t)`` with Muon's momentum ``m_t``.
+  r"""Muon by composition (Jordan et al. 2024; paper App. "Muon"): whitening of the
+  momentum.
 
-  Chain: :func:`scale_by_momentum` (``beta``, Nesterov) -> :func:`whiten`
-  (Newton--Schulz) -> :func:`scale_by_shape` (``consistent_rms``) ->
-  ``scale_by_learning_rate``. Its matrix updates equal ``optax.contrib.muon``'s with the
-  same arguments (tested). State per matrix: ``mn`` (the momentum).
+  .. math::
+
+    M \leftarrow \beta M + G,\quad X = G + \beta M \text{ (Nesterov) or } M,\quad
+    W \leftarrow W - \eta_t\, c\; \mathrm{NS}(X) \approx (X X^\top)^{-1/2} X
+
+  Chain: :func:`scale_by_momentum` -> :func:`whiten` (Newton--Schulz) ->
+  :func:`scale_by_shape` -> ``scale_by_learning_rate``. Its matrix updates equal
+  ``optax.contrib.muon``'s with the same arguments (tested). State per ``m x n`` matrix:
+  ``mn`` (the momentum).
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    beta: momentum decay (0.95).
+    nesterov: Nesterov momentum (default ``True``, as ``optax.contrib.muon``).
+    steps: Newton--Schulz iterations (5); may be traced.
+    coeffs: Newton--Schulz coefficients (Muon's).
+    consistent_rms: ``None`` (default): ``c = sqrt(max(1, n / m))``; a float: the
+      update's RMS (e.g. 0.2).
+    eps: floor of the Newton--Schulz normalization.
+{common}
   """
   blocks = [scale_by_momentum(beta, nesterov=nesterov),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),

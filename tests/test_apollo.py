@@ -9,7 +9,7 @@ import fisher_optax as fo
 from fisher_optax.blocks import random_projection as rp
 from tests import reference
 from tests.conftest import structured_grads
-from tests.test_optimizers import LR, SHAPES, run_library
+from tests.util import LR, SHAPES, run_library
 
 
 def _bases(shape, rank, interval, seed=0):

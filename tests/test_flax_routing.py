@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import fisher_optax as fo
+from tests.util import ALL
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -239,9 +240,7 @@ def test_loud_errors_name_the_argument_and_the_leaf():
   np.testing.assert_allclose(float(u["s"]), float(ref["s"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira", "apollo",
-                                  "apollo_mini", "eigen_adam", "soap", "shampoo", "swan",
-                                  "muon"])
+@pytest.mark.parametrize("name", ALL)
 def test_plain_optax_inject_hyperparams_at_defaults(name):
   """As optax's contrib common tests do: only rank-like arguments static."""
   static = ("rank",) if name in ("alice", "alice0", "galore", "fira", "apollo") else ()

@@ -1,7 +1,5 @@
 """Named optimizers against dense float64 re-derivations, and their optax integration."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,58 +7,10 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax.blocks import switching
-from tests import reference
 from tests.conftest import structured_grads
-
-LR = 0.01
-SHAPES = [(6, 10), (10, 6), (3, 6, 10)]
-
-CONFIGS = {
-    "racs": dict(lib=dict(), ref=dict()),
-    "alice": dict(lib=dict(rank=3, leading=1, interval=3),
-                  ref=dict(rank=3, leading=1, interval=3)),
-    "alice0": dict(lib=dict(rank=3, leading=1, interval=3),
-                   ref=dict(rank=3, leading=1, interval=3)),
-    "galore": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
-    "fira": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
-}
-
-
-def _picker(shape, b, seed=0, leaf_index=0):
-  """The library's random complement draw for slice ``b`` (the only shared piece)."""
-  batch = tuple(shape[:-2])
-
-  def pick(t, num_complement, k):
-    keys = switching.refresh_keys(jax.random.PRNGKey(seed), leaf_index, jnp.int32(t - 1), batch)
-    key = keys.reshape((-1,) + keys.shape[len(batch):])[b]
-    return np.asarray(switching.complement_indices(key, num_complement, k))
-
-  return pick
-
-
-# Leaves with more than two dims are routed only when ``dims`` says how: here, as optax's
-# scanned layers, every axis but the last two is a stack of independent matrices.
-STACK = fo.MatrixDims()
-
-
-def run_library(name, shape, grads, **kw):
-  return _run_opt(getattr(fo, name)(LR, **{"dims": STACK, **kw}), grads, shape)
-
-
-def run_reference(name, shape, grads, leaf_index=0, **kw):
-  *batch, m, n = shape
-  nb = int(np.prod(batch)) if batch else 1
-  refs = [reference.make(name, m, n, lr=LR, **kw) for _ in range(nb)]
-  outs = []
-  for g in grads:
-    g = np.asarray(g, np.float32).astype(np.float64).reshape((nb, m, n))
-    steps = []
-    for b, ref in enumerate(refs):
-      kwargs = {} if name == "racs" else {"pick": _picker(shape, b, leaf_index=leaf_index)}
-      steps.append(ref.step(g[b], **kwargs))
-    outs.append(np.stack(steps).reshape(shape))
-  return outs
+from tests.util import (ALL, CONFIGS, LR, NAMED_KW, SHAPES, STACK, TREE, all_named,
+                        check_tree_against_references, grads_at, run_library, run_opt,
+                        run_reference, small_params)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -75,36 +25,6 @@ def test_matches_dense_float64_reference(name, shape):
     assert err < 1e-4, f"{name} step {t}: relative error {err:.2e}"
 
 
-TREE = {"a": (6, 10), "b": (10, 6), "c": (3, 6, 10), "d": (6, 10)}
-
-
-def run_library_tree(opt, grads):
-  """Jitted updates of ``opt`` on a tree of leaves (``grads``: leaf -> list of steps)."""
-  params = {k: jnp.zeros(g[0].shape, jnp.float32) for k, g in grads.items()}
-  state = opt.init(params)
-  update = jax.jit(opt.update)
-  outs = {k: [] for k in grads}
-  for t in range(len(next(iter(grads.values())))):
-    u, state = update({k: jnp.asarray(g[t], jnp.float32) for k, g in grads.items()}, state,
-                      params)
-    for k in grads:
-      outs[k].append(np.asarray(u[k], np.float64))
-  return outs
-
-
-def check_tree_against_references(name, tree, lib_kw, ref_kw, steps, tol):
-  """Leaves of equal shape (b is a transposed a, c a stack, d a second a) share one
-  decomposition call per shape; each must still follow its own dense reference."""
-  grads = {k: structured_grads(shape, steps, seed=3 + i) for i, (k, shape) in
-           enumerate(sorted(tree.items()))}
-  lib = run_library_tree(getattr(fo, name)(LR, **{"dims": STACK, **lib_kw}), grads)
-  for i, (k, shape) in enumerate(sorted(tree.items())):  # leaf index = flatten order
-    ref = run_reference(name, shape, grads[k], leaf_index=i, **ref_kw)
-    for t, (a, b) in enumerate(zip(lib[k], ref), start=1):
-      err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
-      assert err < tol, f"{name} leaf {k} step {t}: relative error {err:.2e}"
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tree_of_same_shape_leaves_matches_dense_references(name):
   """7 steps, refreshes at t = 1, 4, 7, on a tree whose same-shape matrices are stacked."""
@@ -112,18 +32,6 @@ def test_tree_of_same_shape_leaves_matches_dense_references(name):
 
 
 # ----------------------------------------------------------- optax.contrib.galore
-
-
-def _run_opt(opt, grads, shape):
-  """Jitted updates of ``opt`` for a single leaf ``w`` of ``shape`` (float64 copies)."""
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  state = opt.init(params)
-  update = jax.jit(opt.update)
-  outs = []
-  for g in grads:
-    u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
-    outs.append(np.asarray(u["w"], np.float64))
-  return outs
 
 
 @pytest.mark.parametrize("b1,steps", [(0.9, 3), (0.0, 7)])
@@ -140,8 +48,8 @@ def test_galore_equals_optax_contrib_galore_on_square_matrices(b1, steps):
   """
   grads = structured_grads((8, 8), steps, seed=3)
   kw = dict(rank=3, scale=0.25)
-  ours = _run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, **kw), grads, (8, 8))
-  theirs = _run_opt(optax.contrib.galore(
+  ours = run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, **kw), grads, (8, 8))
+  theirs = run_opt(optax.contrib.galore(
       LR, update_proj_gap=3, base_optimizer=optax.scale_by_adam(b1=b1, b2=0.99, eps=1e-8), **kw),
       grads, (8, 8))
   for t, (a, b) in enumerate(zip(ours, theirs), start=1):
@@ -185,42 +93,10 @@ def test_state_sizes_equal_paper_formulas(name, shape):
 # -------------------------------------------------------------- optax integration
 
 
-_NAMED_KW = {
-    "racs": {},
-    "alice": dict(rank=3, leading=1, interval=2),
-    "alice0": dict(rank=3, leading=1, interval=2),
-    "galore": dict(rank=3, interval=2),
-    "fira": dict(rank=3, interval=2),
-    "eigen_adam": dict(interval=2),
-    "soap": dict(precondition_frequency=2),
-    "shampoo": dict(interval=2),
-    "apollo": dict(rank=3, interval=2),
-    "apollo_mini": dict(interval=2),
-    "swan": {},
-    "muon": {},
-}
-NAMED_KW = {k: dict(kw, dims=STACK) for k, kw in _NAMED_KW.items()}
-ALL = list(NAMED_KW)
-
-
-def _all_named():
-  return {name: getattr(fo, name)(LR, **kw) for name, kw in NAMED_KW.items()}
-
-
-def _params():
-  return {"w": jnp.zeros((6, 10)), "stack": jnp.zeros((2, 8, 5)), "b": jnp.zeros((6,))}
-
-
-def _g(params, t):
-  return jax.tree.map(
-      lambda p: jax.random.normal(jax.random.PRNGKey(t), p.shape, jnp.float32).astype(p.dtype),
-      params)
-
-
 @pytest.mark.parametrize("name", ALL)
 def test_compiles_once_and_not_again_at_refresh(name):
-  opt = _all_named()[name]
-  params = _params()
+  opt = all_named()[name]
+  params = small_params()
   traces = []
 
   @jax.jit
@@ -230,14 +106,14 @@ def test_compiles_once_and_not_again_at_refresh(name):
 
   s = opt.init(params)
   for t in range(6):  # refreshes at t = 1, 3, 5
-    u, s = step(_g(params, t), s)
+    u, s = step(grads_at(params, t), s)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
   assert len(traces) == 1
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_chain_inject_hyperparams_multisteps_and_schedules(name):
-  params = _params()
+  params = small_params()
   kw = NAMED_KW[name]
   factory = getattr(fo, name)
   sched = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10, LR * 0.1)
@@ -250,24 +126,49 @@ def test_chain_inject_hyperparams_multisteps_and_schedules(name):
     s = opt.init(params)
     upd = jax.jit(opt.update)
     for t in range(4):
-      u, s = upd(_g(params, t), s, params)
+      u, s = upd(grads_at(params, t), s, params)
       assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
   # inject_hyperparams: the learning rate can be changed in the state
   opt = fo.inject_hyperparams(factory)(learning_rate=LR, **kw)
   s = opt.init(params)
-  u1, _ = opt.update(_g(params, 0), s, params)
+  u1, _ = opt.update(grads_at(params, 0), s, params)
   s.hyperparams["learning_rate"] = jnp.asarray(2 * LR)
-  u2, _ = opt.update(_g(params, 0), s, params)
+  u2, _ = opt.update(grads_at(params, 0), s, params)
   np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_extra_args_and_state_stable_under_lax_cond(name):
+  """As optax contrib's common tests: ``update`` accepts extra keyword arguments (e.g. the
+  loss ``value``), and its new state has the structure, shapes and dtypes of the old, so
+  ``lax.cond`` can choose between them (as ``optax.MultiSteps`` and skip-step logic do)."""
+  opt = all_named()[name]
+  params = small_params()
+  state = opt.init(params)
+
+  @jax.jit
+  def step(g, s, skip):
+    new = opt.update(g, s, params, value=jnp.asarray(1.0), some_extra_arg=3)[1]
+    return jax.lax.cond(skip, lambda: s, lambda: new)
+
+  for t in range(4):  # refreshes at t = 1, 3
+    new = step(grads_at(params, t), state, t == 2)
+    assert (jax.tree.structure(new) == jax.tree.structure(state))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state)):
+      assert a.shape == b.shape and a.dtype == b.dtype
+    if t == 2:
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    state = new
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_bf16_params_get_bf16_updates(name):
-  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
-  opt = _all_named()[name]
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), small_params())
+  opt = all_named()[name]
   s = opt.init(params)
   for t in range(3):
-    u, s = jax.jit(opt.update)(_g(params, t), s, params)
+    u, s = jax.jit(opt.update)(grads_at(params, t), s, params)
   for x in jax.tree.leaves(u):
     assert x.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(x, np.float32)).all()
@@ -286,7 +187,7 @@ def test_routing_vectors_to_adam_and_path_mask():
             "bias": jnp.zeros((6,))}
   opt = fo.racs(LR, mask=fo.path_mask(exclude=["embed"]))
   s = opt.init(params)
-  g = _g(params, 0)
+  g = grads_at(params, 0)
   u, s = opt.update(g, s, params)
   adam_u, _ = optax.adam(LR).update(g, optax.adam(LR).init(params), params)
   np.testing.assert_allclose(u["embed"], adam_u["embed"], rtol=1e-6)
@@ -354,12 +255,12 @@ def test_ablation_rows_run_and_last_row_is_alice():
   for name, tx in rows.items():
     s = tx.init(params)
     for t in range(5):
-      u, s = jax.jit(tx.update)(_g(params, t), s, params)
+      u, s = jax.jit(tx.update)(grads_at(params, t), s, params)
     outs[name] = np.asarray(u["w"])
   alice = fo.alice(LR, rank=3, leading=1, interval=2)
   s = alice.init(params)
   for t in range(5):
-    u, s = jax.jit(alice.update)(_g(params, t), s, params)
+    u, s = jax.jit(alice.update)(grads_at(params, t), s, params)
   np.testing.assert_allclose(outs["+ compensation (Alice)"], np.asarray(u["w"]), rtol=1e-5)
   # every component changes the update
   vals = list(outs.values())
@@ -380,7 +281,7 @@ def test_decoupled_weight_decay_on_the_structured_leaves(name):
   decayed = getattr(fo, name)(LR, weight_decay=wd, **NAMED_KW[name])
   s0, s1 = plain.init(params), decayed.init(params)
   for t in range(3 if name == "alice" else 1):
-    g = _g(params, t)
+    g = grads_at(params, t)
     u0, s0 = plain.update(g, s0, params)
     u1, s1 = decayed.update(g, s1, params)
     for k in ("w", "stack"):

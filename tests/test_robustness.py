@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fisher_optax as fo
-from tests.test_optimizers import NAMED_KW
+from tests.util import NAMED_KW
 
 ALL = list(NAMED_KW)
 SHAPES = {"w": (6, 10), "t": (10, 6), "st": (2, 5, 7), "sq": (3, 3), "row": (1, 8),

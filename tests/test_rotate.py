@@ -8,8 +8,8 @@ import pytest
 
 import fisher_optax as fo
 from tests.conftest import structured_grads
-from tests.test_optimizers import (LR, SHAPES, TREE, check_tree_against_references,
-                                   run_library, run_reference)
+from tests.util import (LR, SHAPES, TREE, check_tree_against_references,
+                        run_library, run_reference)
 
 CONFIGS = {
     "eigen_adam": dict(interval=3),
