@@ -126,3 +126,12 @@ def test_large_embedding_never_builds_the_huge_side(name):
 def test_invalid_rotate_settings(kw, arg):
   with pytest.raises(ValueError, match=arg):
     fo.rotate(optax.identity(), **kw)
+
+
+def test_basis_change_policy_names_fields_of_the_inner_state():
+  params = {"w": jnp.zeros((4, 6))}
+  with pytest.raises(ValueError, match="`reexpress` names inner-state field 'mue'.*'mu'"):
+    fo.rotate(fo.scale_by_moments(), reexpress=("mue",)).init(params)
+  with pytest.raises(ValueError, match="`permute` names inner-state field 'v'"):
+    fo.rotate(optax.scale_by_adam(), permute=("v",)).init(params)
+  fo.rotate(optax.scale_by_adam(), reexpress=("mu",), permute=("nu",)).init(params)

@@ -83,11 +83,144 @@ def _active(view: routing.MatrixView, sides: str, max_dim: Optional[int]) -> tup
   return left and ok(view.m), right and ok(view.n)
 
 
-def _power_qr(stat, basis):
+# ------------------------------------------------------------------ per matrix, per side
+
+
+class SideRefresh(NamedTuple):
+  """A refreshed side of one matrix: the new basis and its eigenvalues, the order of the
+  old basis vectors (power-QR's sort; ``arange`` for eigh), ``new^T old`` (to re-express
+  inner state) and whether the decomposition was finite (else the old basis is kept)."""
+  basis: jax.Array
+  eigenvalues: jax.Array
+  order: jax.Array
+  change: jax.Array
+  ok: jax.Array
+
+
+def stats_update(stat: Optional[jax.Array], g: jax.Array, side: str,
+                 b3: Optional[float]) -> Optional[jax.Array]:
+  """``L <- b3 L + (1 - b3) G G^T`` (left) or with ``G^T G`` (right); sums if ``b3`` is None."""
+  if stat is None:
+    return None
+  outer = g @ g.T if side == "left" else g.T @ g
+  return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
+
+
+def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """SOAP's refresh: sort the old basis by ``diag(U^T L U)``, one power iteration, QR."""
   est = jnp.diagonal(basis.T @ stat @ basis)
   idx = jnp.argsort(-est)
   q = linalg.orthonormalize(stat @ basis[:, idx])
   return q, idx
+
+
+def side_refresh(stat: jax.Array, basis: jax.Array, use_eigh: bool) -> SideRefresh:
+  """One side of one matrix: ``eigh`` (descending) or :func:`power_qr`. A non-finite
+  decomposition keeps the previous basis (and, by the caller, its eigenvalues)."""
+  d = stat.shape[-1]
+  if use_eigh:
+    w, new = linalg.eigh_desc(stat)
+    idx = jnp.arange(d)
+  else:
+    new, idx = power_qr(stat, basis)
+    w = jnp.diagonal(new.T @ stat @ new)
+  ok = jnp.all(jnp.isfinite(new))
+  new = jnp.where(ok, new, basis)
+  idx = jnp.where(ok, idx, jnp.arange(d))
+  return SideRefresh(new, w, idx, new.T @ basis, ok)
+
+
+def rotate_in(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
+  """``U_L^T X U_R`` (a missing side is the identity)."""
+  if bl is not None:
+    x = bl.T @ x
+  if br is not None:
+    x = x @ br
+  return x
+
+
+def rotate_out(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
+  """``U_L X U_R^T`` (a missing side is the identity)."""
+  if bl is not None:
+    x = bl @ x
+  if br is not None:
+    x = x @ br.T
+  return x
+
+
+def eig_floor(w: jax.Array, stats_eps: float) -> jax.Array:
+  """``max(stats_eps, d * eps_f32 * max(w))``: float32 eigh cannot resolve eigenvalues
+  below ~``d eps ||L||``; flooring them there makes the powers well defined (the same on
+  the whole unresolved subspace, whatever basis eigh picked for it)."""
+  rel = w.shape[-1] * jnp.finfo(jnp.float32).eps * jnp.max(w)
+  return jnp.maximum(w, jnp.maximum(jnp.maximum(jnp.asarray(stats_eps, jnp.float32), rel),
+                                    jnp.finfo(jnp.float32).tiny))
+
+
+def eig_scale(x: jax.Array, el: Optional[jax.Array], er: Optional[jax.Array],
+              power: Optional[float], stats_eps: float) -> jax.Array:
+  """Shampoo: ``X * (lam_L,i lam_R,j)^power`` with floored eigenvalues."""
+  if power is None:
+    return x
+  if el is not None:
+    x = x * eig_floor(el, stats_eps)[:, None] ** power
+  if er is not None:
+    x = x * eig_floor(er, stats_eps)[None, :] ** power
+  return x
+
+
+def _permute(x: jax.Array, i1: Optional[jax.Array], i2: Optional[jax.Array]) -> jax.Array:
+  if i1 is not None:
+    x = x[i1, :]
+  if i2 is not None:
+    x = x[:, i2]
+  return x
+
+
+# ---------------------------------------------------------------- whole tree, refresh
+
+
+def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
+  """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
+  :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
+  (across leaves, stack entries and sides) are concatenated so that one decomposition
+  call (:func:`fisher_optax.linalg.map_matrices`) serves them."""
+  groups: dict = {}
+  for i in range(len(stats["l"])):
+    for side in ("l", "r"):
+      if stats[side][i] is not None:
+        groups.setdefault(stats[side][i].shape[-1], []).append((i, side))
+  res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
+  for d, members in groups.items():
+    outs = linalg.map_matrices(
+        lambda st, b: side_refresh(st, b, use_eigh),
+        jnp.concatenate([stats[side][i].reshape(-1, d, d) for i, side in members]),
+        jnp.concatenate([bases[side][i].reshape(-1, d, d) for i, side in members]))
+    start = 0
+    for i, side in members:
+      batch = stats[side][i].shape[:-2]
+      size = int(np.prod(batch, dtype=int))
+      res[side][i] = SideRefresh(*(o[start:start + size].reshape(batch + o.shape[1:])
+                                   for o in outs))
+      start += size
+  return res
+
+
+def _field_leaves(inner_state, name: str, treedef) -> list:
+  return treedef.flatten_up_to(otu.tree_get(inner_state, name))
+
+
+def _check_fields(inner_state: Any, names: Sequence[str], arg: str) -> None:
+  """Each name must be exactly one field of the inner state (checked at ``init``)."""
+  for name in names:
+    found = otu.tree_get_all_with_path(inner_state, name)
+    if len(found) != 1:
+      fields = sorted({getattr(k, "name", None) for path, _ in
+                       jax.tree_util.tree_flatten_with_path(inner_state)[0] for k in path
+                       if getattr(k, "name", None)})
+      raise ValueError(f"rotate: `{arg}` names inner-state field {name!r}, found "
+                       f"{len(found)} times in the inner transformation's state (its fields: "
+                       f"{fields}).")
 
 
 def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval: int = 10,
@@ -108,7 +241,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       (Shampoo).
     statistics: ``"before"`` (paper) or ``"after"`` (SOAP reference).
     refresh: ``"eigh"`` or ``"power_qr"`` for refreshes after the first.
-    reexpress: names of ``inner``-state fields rotated into a new basis.
+    reexpress: names of ``inner``-state fields rotated into a new basis (each must be
+      one field of ``inner``'s state: checked at ``init``).
     permute: names of ``inner``-state fields permuted with the power-QR sort.
     eigenvalue_power: if set, scale ``G~`` by ``(lam_L,i lam_R,j)^power``
       (Shampoo: -1/4); eigenvalues floored at ``max(stats_eps, d eps_f32 max(lam))``,
@@ -137,10 +271,9 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   def init_fn(params):
     views = _views(params)
 
-    def side_arrays(p, v, side, kind):
-      act = _active(v, sides, max_dim)[0 if side == "left" else 1]
+    def side_arrays(v, side, kind):
       d = v.m if side == "left" else v.n
-      if not act:
+      if not _active(v, sides, max_dim)[0 if side == "left" else 1]:
         return None
       if kind == "stats":
         return jnp.broadcast_to(stats_eps * jnp.eye(d, dtype=jnp.float32), v.batch_shape + (d, d))
@@ -150,200 +283,103 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
         return None
       return jnp.ones(v.batch_shape + (d,), jnp.float32)
 
-    mk = lambda side, kind: jax.tree.map(lambda p, v: side_arrays(p, v, side, kind), params, views)
+    mk = lambda side, kind: jax.tree.map(lambda p, v: side_arrays(v, side, kind), params, views)
     coeff_like = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32),
                               params, views)
+    inner_state = inner.init(coeff_like)
+    _check_fields(inner_state, reexpress, "reexpress")
+    _check_fields(inner_state, permute, "permute")
     return RotateState(count=jnp.zeros([], jnp.int32),
                        stats_left=mk("left", "stats"), stats_right=mk("right", "stats"),
                        basis_left=mk("left", "basis"), basis_right=mk("right", "basis"),
                        eig_left=mk("left", "eig"), eig_right=mk("right", "eig"),
-                       inner_state=inner.init(coeff_like))
-
-  # ---------------------------------------------------------------- per matrix
-
-  def stats_update(stat, g, side):
-    if stat is None:
-      return None
-    outer = g @ g.T if side == "left" else g.T @ g
-    return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
-
-  def side_refresh(stat, basis, use_eigh):
-    """One side of one matrix -> (new basis, eigenvalues, permutation, new^T old, ok).
-
-    ``ok`` is False when the decomposition returned non-finite values: the previous
-    basis (and, by the caller, the previous eigenvalues) are kept."""
-    d = stat.shape[-1]
-    if use_eigh:
-      w, new = linalg.eigh_desc(stat)
-      idx = jnp.arange(d)
-    else:
-      new, idx = _power_qr(stat, basis)
-      w = jnp.diagonal(new.T @ stat @ new)
-    ok = jnp.all(jnp.isfinite(new))
-    new = jnp.where(ok, new, basis)
-    idx = jnp.where(ok, idx, jnp.arange(d))
-    return new, w, idx, new.T @ basis, ok
-
-  def rot(x, bl, br):
-    if bl is not None:
-      x = bl.T @ x
-    if br is not None:
-      x = x @ br
-    return x
-
-  def unrot(x, bl, br):
-    if bl is not None:
-      x = bl @ x
-    if br is not None:
-      x = x @ br.T
-    return x
-
-  def eig_floor(w):
-    """``max(stats_eps, d * eps_f32 * max(w))``: float32 eigh cannot resolve eigenvalues
-    below ~``d eps ||L||``; flooring them there makes the powers well defined (the same on
-    the whole unresolved subspace, whatever basis eigh picked for it)."""
-    rel = w.shape[-1] * jnp.finfo(jnp.float32).eps * jnp.max(w)
-    return jnp.maximum(w, jnp.maximum(jnp.maximum(jnp.asarray(stats_eps, jnp.float32), rel),
-                                      jnp.finfo(jnp.float32).tiny))
-
-  def eig_scale(x, el, er):
-    if eigenvalue_power is None:
-      return x
-    if el is not None:
-      x = x * eig_floor(el)[:, None] ** eigenvalue_power
-    if er is not None:
-      x = x * eig_floor(er)[None, :] ** eigenvalue_power
-    return x
+                       inner_state=inner_state)
 
   def update_fn(updates, state, params=None):
     del params
     views = _views(updates)
-    c = state.count
     leaves, treedef = jax.tree.flatten(updates)
-    flat = lambda t: treedef.flatten_up_to(t)
-    cols = [flat(x) for x in (state.stats_left, state.stats_right, state.basis_left,
-                               state.basis_right, state.eig_left, state.eig_right)]
+    flat, un = treedef.flatten_up_to, treedef.unflatten
     v_leaves = flat(views)
+    nbs = [len(v.batch_shape) for v in v_leaves]
+    gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
+    per_leaf = lambda fn, *cols: [routing.vmap_batch(fn, nb)(*xs) for nb, *xs in zip(nbs, *cols)]
 
-    def stats_all(gcs, sls, srs, nbs):
-      out_l, out_r = [], []
-      for gc, sl, sr, nb in zip(gcs, sls, srs, nbs):
-        out_l.append(routing.vmap_batch(lambda s, g: stats_update(s, g, "left"), nb)(sl, gc))
-        out_r.append(routing.vmap_batch(lambda s, g: stats_update(s, g, "right"), nb)(sr, gc))
-      return out_l, out_r
+    def stats_all(st):
+      return {"l": per_leaf(lambda s, g: stats_update(s, g, "left", b3), st["l"], gcs),
+              "r": per_leaf(lambda s, g: stats_update(s, g, "right", b3), st["r"], gcs)}
 
-    def refresh_all(sls, srs, bls, brs, els, ers, nbs, first, do_refresh, inner_state):
-      """Statistics are already updated -> new bases, eigenvalues and inner state.
+    def refreshed(use_eigh, ops):
+      """New bases (+ eigenvalues) and the inner state moved to them."""
+      st, bases, eigs, inner_state = ops
+      res = _refresh_sides(st, bases, use_eigh)
+      new_bases = {k: [o if r is None else r.basis for o, r in zip(bases[k], res[k])]
+                   for k in "lr"}
+      new_eigs = eigs
+      if eigenvalue_power is not None:
+        new_eigs = {k: [o if r is None else jnp.where(r.ok[..., None], r.eigenvalues, o)
+                        for o, r in zip(eigs[k], res[k])] for k in "lr"}
+      get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]
+      for name in reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
+        new = per_leaf(lambda x, a, b: rotate_in(x, None if a is None else a.T,
+                                                 None if b is None else b.T).astype(x.dtype),
+                       _field_leaves(inner_state, name, treedef), get("l", "change"),
+                       get("r", "change"))
+        inner_state = otu.tree_set(inner_state, **{name: un(new)})
+      for name in (permute if not use_eigh else ()):
+        new = per_leaf(_permute, _field_leaves(inner_state, name, treedef), get("l", "order"),
+                       get("r", "order"))
+        inner_state = otu.tree_set(inner_state, **{name: un(new)})
+      return new_bases, new_eigs, inner_state
 
-      Every active side of every leaf is a ``d x d`` statistic; those of equal ``d``
-      (across leaves, stack entries and sides) are stacked so that one decomposition
-      call (:func:`fisher_optax.linalg.map_matrices`) serves them, and all refreshes of
-      the tree sit in one ``lax.switch`` (keep / eigh / power-QR). The inner state is
-      re-expressed and permuted inside the refresh branches: ordinary steps do no
-      basis arithmetic at all.
-      """
-      groups: dict = {}
-      for i in range(len(sls)):
-        for side, st in (("l", sls[i]), ("r", srs[i])):
-          if st is not None:
-            groups.setdefault(st.shape[-1], []).append((i, side))
-
-      def refreshed(use_eigh, ops):
-        sls, srs, bls, brs, els, ers, inner_state = ops
-        res = {"l": [None] * len(sls), "r": [None] * len(sls)}  # side_refresh's outputs
-        for d, members in groups.items():
-          stat = lambda i, side: (sls if side == "l" else srs)[i]
-          basis = lambda i, side: (bls if side == "l" else brs)[i]
-          outs = linalg.map_matrices(
-              lambda st, b: side_refresh(st, b, use_eigh),
-              jnp.concatenate([stat(*k).reshape(-1, d, d) for k in members]),
-              jnp.concatenate([basis(*k).reshape(-1, d, d) for k in members]))
-          start = 0
-          for i, side in members:
-            batch = stat(i, side).shape[:-2]
-            size = int(np.prod(batch, dtype=int))
-            res[side][i] = tuple(o[start:start + size].reshape(batch + o.shape[1:]) for o in outs)
-            start += size
-        pick = lambda side, j, old: [old[i] if r is None else r[j]
-                                     for i, r in enumerate(res[side])]
-        bls, brs = pick("l", 0, bls), pick("r", 0, brs)
-        if eigenvalue_power is not None:
-          keep = lambda side, old: [o if r is None else jnp.where(r[4][..., None], r[1], o)
-                                    for o, r in zip(old, res[side])]
-          els, ers = keep("l", els), keep("r", ers)
-        ils = [None if r is None else r[2] for r in res["l"]]
-        irs = [None if r is None else r[2] for r in res["r"]]
-        rls = [None if r is None else r[3] for r in res["l"]]
-        rrs = [None if r is None else r[3] for r in res["r"]]
-        # inner state on basis change: rotate / permute the named fields
-        for name in reexpress:
-          fl = flat(otu.tree_get(inner_state, name))
-          new = [routing.vmap_batch(
-              lambda x1, a, b: rot(x1, None if a is None else a.T, None if b is None else b.T),
-              nb)(x, rl, rr).astype(x.dtype) for x, rl, rr, nb in zip(fl, rls, rrs, nbs)]
-          inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
-        if not use_eigh:
-          for name in permute:
-            fl = flat(otu.tree_get(inner_state, name))
-            def perm(x1, i1, i2):
-              if i1 is not None:
-                x1 = x1[i1, :]
-              if i2 is not None:
-                x1 = x1[:, i2]
-              return x1
-            new = [routing.vmap_batch(perm, nb)(x, il, ir)
-                   for x, il, ir, nb in zip(fl, ils, irs, nbs)]
-            inner_state = otu.tree_set(inner_state, **{name: treedef.unflatten(new)})
-        return bls, brs, els, ers, inner_state
-
-      branches = [lambda ops: tuple(ops[2:]), lambda ops: refreshed(True, ops)]
+    def refresh_all(st, bases, eigs, inner_state, first, do_refresh):
+      """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
+      ordinary steps do no basis arithmetic."""
+      branches = [lambda ops: ops[1:], lambda ops: refreshed(True, ops)]
       which = jnp.where(do_refresh, 1, 0)
       if refresh == "power_qr":
         branches.append(lambda ops: refreshed(False, ops))
         which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
-      return jax.lax.switch(which, branches, (sls, srs, bls, brs, els, ers, inner_state))
+      return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
 
-    gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
-    nbs = [len(v.batch_shape) for v in v_leaves]
-    sls, srs, bls, brs, els, ers = cols
-    inner_state = state.inner_state
-
-    def rotated_update(bls, brs, els, ers, inner_state):
-      gr = [routing.vmap_batch(lambda g, a, b, ea, eb: eig_scale(rot(g, a, b), ea, eb), nb)(
-          gc, bl, br, el, er) for gc, bl, br, el, er, nb in zip(gcs, bls, brs, els, ers, nbs)]
-      out_r, inner_state = inner.update(treedef.unflatten(gr), inner_state, None)
-      out = [routing.vmap_batch(unrot, nb)(o.astype(jnp.float32), bl, br)
-             for o, bl, br, nb in zip(flat(out_r), bls, brs, nbs)]
+    def rotated_update(bases, eigs, inner_state):
+      gr = per_leaf(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb,
+                                                      eigenvalue_power, stats_eps),
+                    gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
+      out_r, inner_state = inner.update(un(gr), inner_state, None)
+      out = per_leaf(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b), flat(out_r),
+                     bases["l"], bases["r"])
       return out, inner_state
 
+    c = state.count
+    st = {"l": flat(state.stats_left), "r": flat(state.stats_right)}
+    bases = {"l": flat(state.basis_left), "r": flat(state.basis_right)}
+    eigs = {"l": flat(state.eig_left), "r": flat(state.eig_right)}
+    inner_state = state.inner_state
     if statistics == "before":
-      sls, srs = stats_all(gcs, sls, srs, nbs)
-      bls, brs, els, ers, inner_state = refresh_all(
-          sls, srs, bls, brs, els, ers, nbs, c == 0, (c % interval) == 0, inner_state)
-      out, inner_state = rotated_update(bls, brs, els, ers, inner_state)
-    else:
+      st = stats_all(st)
+      bases, eigs, inner_state = refresh_all(st, bases, eigs, inner_state, c == 0,
+                                             (c % interval) == 0)
+      out, inner_state = rotated_update(bases, eigs, inner_state)
+    else:  # SOAP: step 1 only initialises; later: update, then statistics and refresh
       def first_step():
-        sl2, sr2 = stats_all(gcs, sls, srs, nbs)
-        bl2, br2, el2, er2, ist = refresh_all(sl2, sr2, bls, brs, els, ers, nbs,
-                                              jnp.bool_(True), jnp.bool_(True), inner_state)
-        zeros = [jnp.zeros_like(gc) for gc in gcs]
-        return zeros, sl2, sr2, bl2, br2, el2, er2, ist
+        st2 = stats_all(st)
+        return ([jnp.zeros_like(gc) for gc in gcs], st2,
+                *refresh_all(st2, bases, eigs, inner_state, jnp.bool_(True), jnp.bool_(True)))
 
       def later_step():
-        out, ist = rotated_update(bls, brs, els, ers, inner_state)
-        sl2, sr2 = stats_all(gcs, sls, srs, nbs)
-        bl2, br2, el2, er2, ist = refresh_all(sl2, sr2, bls, brs, els, ers, nbs,
-                                              jnp.bool_(False), (c % interval) == 0, ist)
-        return out, sl2, sr2, bl2, br2, el2, er2, ist
+        out, ist = rotated_update(bases, eigs, inner_state)
+        st2 = stats_all(st)
+        return (out, st2,
+                *refresh_all(st2, bases, eigs, ist, jnp.bool_(False), (c % interval) == 0))
 
-      out, sls, srs, bls, brs, els, ers, inner_state = jax.lax.cond(c == 0, first_step,
-                                                                    later_step)
+      out, st, bases, eigs, inner_state = jax.lax.cond(c == 0, first_step, later_step)
 
     dense = [routing.cast_like(v.from_canonical(o), g.dtype)
              for o, v, g in zip(out, v_leaves, leaves)]
-    un = treedef.unflatten
-    return un(dense), RotateState(count=optax.safe_int32_increment(c), stats_left=un(sls),
-                                  stats_right=un(srs), basis_left=un(bls), basis_right=un(brs),
-                                  eig_left=un(els), eig_right=un(ers), inner_state=inner_state)
+    return un(dense), RotateState(
+        count=optax.safe_int32_increment(c), stats_left=un(st["l"]), stats_right=un(st["r"]),
+        basis_left=un(bases["l"]), basis_right=un(bases["r"]), eig_left=un(eigs["l"]),
+        eig_right=un(eigs["r"]), inner_state=inner_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
