@@ -111,9 +111,12 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: routing.Di
     tx: the (fisher_optax or optax) transformation.
     params: parameters, or their ``jax.ShapeDtypeStruct``s.
     param_specs: a tree of ``PartitionSpec`` (or ``None``) matching ``params``.
-    dims: the optimizer's matrix axes, if not the last two.
+    dims: the optimizer's matrix axes; default: those the named optimizer ``tx`` was
+      built with (its ``dims=``), else the last two axes.
     mesh: if given, mesh axes that do not divide a dimension are dropped.
   """
+  if dims is None and isinstance(tx, routing.RoutedTransformation):
+    dims = tx.dims
   state_shapes = jax.eval_shape(tx.init, params)
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: x is None or isinstance(x, P))

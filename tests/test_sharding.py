@@ -257,3 +257,18 @@ def test_refreshes_of_same_shape_matrices_do_not_deadlock_on_two_host_devices():
   out = subprocess.run([sys.executable, "-c", _REFRESH_ON_TWO_DEVICES], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_state_specs_use_the_optimizers_own_dims():
+  """A conv kernel routed as one ``kh*kw*cin x cout`` (36 x 16) matrix, handled on its
+  smaller side ``cout``: Alice's basis ``U`` (``cout x r``) is split where the kernel's
+  ``cout`` axis is, without repeating ``dims``; the ``r x 36`` moments and the 36-vector
+  follow the unsplit merged axes."""
+  params = {"conv": jax.ShapeDtypeStruct((3, 3, 4, 16), jnp.float32)}
+  specs = {"conv": P(None, None, None, "tensor")}
+  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(rows=(0, 1, 2), cols=3))
+  got = fo.state_partition_specs(tx, params, specs, mesh=_mesh())
+  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(got, "mu")
+        if "structured" in jax.tree_util.keystr(path)][0]
+  assert optax.tree_utils.tree_get(got, "basis")["conv"] == P("tensor")
+  assert mu["conv"] == P() and optax.tree_utils.tree_get(got, "p")["conv"] == P()
