@@ -16,7 +16,7 @@ import math
 
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
@@ -104,7 +104,7 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
   e.g. ``fallback=optax.adamw(lr, weight_decay=...)``.
   """
   if not callable(weight_decay):
-    routing.check_range("weight_decay", weight_decay, low=0.0, high=float("inf"))
+    validation.check_range("weight_decay", weight_decay, low=0.0, high=float("inf"))
   decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
            else [optax.add_decayed_weights(weight_decay)])
   structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
@@ -144,7 +144,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
     eps: relative floor of the scales (``max(s) * eps``).
 {common}
   """
-  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
   blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=dims)]
   if limiter is not None:
@@ -155,11 +155,11 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
 
 def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter, eps, seed,
                  dims, state_dtype):
-  routing.check_int("rank", rank, low=1)
-  routing.check_int("leading", leading, low=0, high=rank)
-  routing.check_range("b3", b3, low=0.0, high=1.0)
-  routing.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
-  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+  validation.check_int("rank", rank, low=1)
+  validation.check_int("leading", leading, low=0, high=rank)
+  validation.check_range("b3", b3, low=0.0, high=1.0)
+  validation.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
+  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
   track = low_rank_track(rank=rank, interval=interval, tracking=b3,
                          refresh=switch(leading=leading, seed=seed), dims=dims,
@@ -423,8 +423,8 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
-  routing.check_int("precondition_frequency", precondition_frequency, low=1)
-  routing.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
+  validation.check_int("precondition_frequency", precondition_frequency, low=1)
+  validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
   inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
   blocks = [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
@@ -459,7 +459,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
       static.
 {common}
   """
-  routing.check_range("eps", eps, low=0.0, high=float("inf"))
+  validation.check_range("eps", eps, low=0.0, high=float("inf"))
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
                    stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
@@ -483,8 +483,8 @@ shampoo.static_args = ("max_precond_dim",)
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
             dims, fallback, weight_decay):
-  routing.check_range("scale", scale, low=0.0, high=float("inf"))
-  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+  validation.check_range("scale", scale, low=0.0, high=float("inf"))
+  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
   project = random_project(rank=rank, interval=interval, seed=seed, dims=dims)
   blocks = [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),

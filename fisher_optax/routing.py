@@ -412,63 +412,6 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   return out
 
 
-# ------------------------------------------------------------------------ validation
-
-
-def _is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def static_int(name: str, value: Any) -> Optional[int]:
-  """``value`` as a Python int (it fixes array shapes or a loop length).
-
-  Raises a clear ``ValueError`` when it is traced, e.g. because
-  ``optax.inject_hyperparams`` was not told it is static (use
-  :func:`fisher_optax.inject_hyperparams`, which is).
-  """
-  if value is None:
-    return None
-  if not _is_concrete(value):
-    raise ValueError(
-        f"`{name}` determines array shapes and must be static; with "
-        f"optax.inject_hyperparams pass static_args=('{name}', ...) or use "
-        "fisher_optax.inject_hyperparams, which does it for you.")
-  return int(value)
-
-
-def check_int(name: str, value: Any, *, low: int, high: Optional[int] = None,
-              allow_none: bool = False) -> None:
-  """Raises ``ValueError`` naming ``name`` unless ``low <= value (<= high)``."""
-  if value is None and allow_none:
-    return
-  if not _is_concrete(value):
-    return
-  rng = f"[{low}, {high}]" if high is not None else f">= {low}"
-  if isinstance(value, bool) or int(value) != value:
-    raise ValueError(f"`{name}` must be an integer {rng}, got {value!r}")
-  if value < low or (high is not None and value > high):
-    raise ValueError(f"`{name}` must be an integer {rng}, got {value!r}")
-
-
-def check_range(name: str, value: Any, *, low: float, high: float,
-                low_open: bool = False, high_open: bool = True,
-                allow_none: bool = False) -> None:
-  """Raises ``ValueError`` naming ``name`` unless ``value`` lies in the interval.
-
-  Traced values (e.g. inside ``optax.inject_hyperparams``) are not checked.
-  """
-  if value is None and allow_none:
-    return
-  if callable(value) or not _is_concrete(value):
-    return
-  v = float(value)
-  lo_ok = v > low if low_open else v >= low
-  hi_ok = v < high if high_open else v <= high
-  if not (lo_ok and hi_ok) or math.isnan(v):
-    interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
-    raise ValueError(f"`{name}` must lie in {interval}, got {value!r}")
-
-
 def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, dims: DimsSpec,
                   *, smaller_first: bool, what: str) -> Any:
   """Applies ``fn(matrix_f32, view)`` (written for one canonical ``m x n`` matrix) to every

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, routing
+from fisher_optax import linalg, routing, validation
 from fisher_optax.blocks import limiter as limiter_lib
 from fisher_optax.blocks import low_rank, random_projection
 
@@ -63,8 +63,8 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
   """
   if method not in ("optimal", "fira"):
     raise ValueError(f"`method` must be 'optimal' or 'fira', got {method!r}")
-  routing.check_range("b1", b1, low=0.0, high=1.0)
-  routing.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
+  validation.check_range("b1", b1, low=0.0, high=1.0)
+  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
   what = "compensate"
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 
 
 def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
@@ -56,7 +56,7 @@ def norm_growth_limiter(threshold: float = 1.01, *,
     An ``optax.GradientTransformation``; its update implements
     ``X <- gamma / max(||X|| / phi, gamma) * X`` (module docstring).
   """
-  routing.check_range("threshold", threshold, low=0.0, high=float("inf"), low_open=True)
+  validation.check_range("threshold", threshold, low=0.0, high=float("inf"), low_open=True)
 
   def _views(tree):
     dims_tree = routing.resolve_dims(dims, tree)

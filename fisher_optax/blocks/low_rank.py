@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import linalg, routing
+from fisher_optax import linalg, routing, validation
 from fisher_optax.blocks import switching as switching_lib
 
 
@@ -165,10 +165,10 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
     state_dtype: dtype of ``U`` and ``Q~`` in the state (default float32; all
       decompositions run in float32 regardless).
   """
-  routing.check_int("rank", rank, low=1)
-  rank = routing.static_int("rank", rank)
-  routing.check_int("interval", interval, low=1)
-  routing.check_range("tracking", tracking, low=0.0, high=1.0)
+  validation.check_int("rank", rank, low=1)
+  rank = validation.static_int("rank", rank)
+  validation.check_int("interval", interval, low=1)
+  validation.check_range("tracking", tracking, low=0.0, high=1.0)
   policy = refresh if refresh is not None else switching_lib.switch()
   has_tracking = not (isinstance(tracking, (int, float)) and tracking == 0)
   sdtype = state_dtype or jnp.float32
@@ -290,8 +290,8 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
   ``track.on_coefficients(inner)`` (:class:`SubspaceSource`) takes them from the
   tracking block itself.
   """
-  routing.check_int("rank", rank, low=1)
-  rank = routing.static_int("rank", rank)
+  validation.check_int("rank", rank, low=1)
+  rank = validation.static_int("rank", rank)
   what = "on_coefficients"
 
   def _coeff_like(params):

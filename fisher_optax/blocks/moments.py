@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 
 
 class ScaleByMomentsState(NamedTuple):
@@ -39,9 +39,9 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     eps: added to ``sqrt(V)``, >= 0.
     mu_dtype: dtype of both moments (default float32).
   """
-  routing.check_range("b1", b1, low=0.0, high=1.0)
-  routing.check_range("b2", b2, low=0.0, high=1.0)
-  routing.check_range("eps", eps, low=0.0, high=float("inf"))
+  validation.check_range("b1", b1, low=0.0, high=1.0)
+  validation.check_range("b2", b2, low=0.0, high=1.0)
+  validation.check_range("eps", eps, low=0.0, high=float("inf"))
   dtype = mu_dtype or jnp.float32
 
   def init_fn(params):
@@ -66,8 +66,8 @@ class ScaleByBiasCorrectionState(NamedTuple):
 
 def scale_by_bias_correction(b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
   """Multiplies updates by ``sqrt(1 - b2^t) / (1 - b1^t)`` (t counts from 1)."""
-  routing.check_range("b1", b1, low=0.0, high=1.0)
-  routing.check_range("b2", b2, low=0.0, high=1.0)
+  validation.check_range("b1", b1, low=0.0, high=1.0)
+  validation.check_range("b2", b2, low=0.0, high=1.0)
 
   def init_fn(params):
     del params

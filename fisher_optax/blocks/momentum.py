@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 
 
 class ScaleByMomentumState(NamedTuple):
@@ -41,7 +41,7 @@ def scale_by_momentum(beta: float = 0.95, *, nesterov: bool = True,
     nesterov: return the Nesterov look-ahead combination (see the module docstring).
     mu_dtype: dtype of the stored moment (default float32).
   """
-  routing.check_range("beta", beta, low=0.0, high=1.0)
+  validation.check_range("beta", beta, low=0.0, high=1.0)
 
   mu_dtype = jnp.float32 if mu_dtype is None else mu_dtype
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 
 
 def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.Array:
@@ -67,7 +67,7 @@ def normalize(*, axis: str = "columns", center: bool = False, eps: float = 1e-8,
   """
   if axis not in ("columns", "rows"):
     raise ValueError(f"`axis` must be 'columns' or 'rows', got {axis!r}")
-  routing.check_range("eps", eps, low=0.0, high=1.0)
+  validation.check_range("eps", eps, low=0.0, high=1.0)
 
   def update_fn(updates, state, params=None):
     del params

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 from fisher_optax.blocks import low_rank
 
 
@@ -56,9 +56,9 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
       from ``fold_in(seed, i)``.
     dims: matrix axes per leaf.
   """
-  routing.check_int("rank", rank, low=1)
-  rank = routing.static_int("rank", rank)
-  routing.check_int("interval", interval, low=1)
+  validation.check_int("rank", rank, low=1)
+  rank = validation.static_int("rank", rank)
+  validation.check_int("interval", interval, low=1)
   what = "random_project"
 
   def init_fn(params):

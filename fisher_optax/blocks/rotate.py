@@ -57,7 +57,7 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import linalg, routing
+from fisher_optax import linalg, routing, validation
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -257,11 +257,11 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     raise ValueError(f"`statistics` must be 'before' or 'after', got {statistics!r}")
   if refresh not in ("eigh", "power_qr"):
     raise ValueError(f"`refresh` must be 'eigh' or 'power_qr', got {refresh!r}")
-  routing.check_int("interval", interval, low=1)
-  routing.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
-  routing.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
-  routing.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
-  max_dim = routing.static_int("max_precond_dim", max_precond_dim)
+  validation.check_int("interval", interval, low=1)
+  validation.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
+  validation.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
+  validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
+  max_dim = validation.static_int("max_precond_dim", max_precond_dim)
   smaller = sides == "smaller"
   what = "rotate"
 

@@ -34,7 +34,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import linalg, routing
+from fisher_optax import linalg, validation
 
 
 def refresh_keys(key: jax.Array, leaf_index: int, count: jax.Array,
@@ -133,11 +133,11 @@ def switch(*, leading: Optional[int] = None, seed: int = 0, iters: int = 1) -> S
     seed: seed of the PRNG key stored in the optimizer state.
     iters: subspace-iteration steps per refresh (paper: 1).
   """
-  routing.check_int("leading", leading, low=0, allow_none=True)
-  routing.check_int("iters", iters, low=1)
+  validation.check_int("leading", leading, low=0, allow_none=True)
+  validation.check_int("iters", iters, low=1)
   if leading is not None and not isinstance(leading, jax.core.Tracer):
     leading = int(leading)
-  return Switch(leading=leading, seed=seed, iters=routing.static_int("iters", iters))
+  return Switch(leading=leading, seed=seed, iters=validation.static_int("iters", iters))
 
 
 def svd_refresh() -> SvdRefresh:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, routing
+from fisher_optax import linalg, routing, validation
 
 
 class ScaleByTwoSidedState(NamedTuple):
@@ -106,11 +106,11 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
     An ``optax.GradientTransformation``. Updates keep the gradient dtype; the
     state is float32.
   """
-  routing.check_range("beta", beta, low=0.0, high=1.0)
-  routing.check_int("iters", iters, low=1)
+  validation.check_range("beta", beta, low=0.0, high=1.0)
+  validation.check_int("iters", iters, low=1)
   if not isinstance(iters, jax.core.Tracer):
     iters = int(iters)
-  routing.check_range("eps", eps, low=0.0, high=1.0)
+  validation.check_range("eps", eps, low=0.0, high=1.0)
   what = "scale_by_two_sided (RACS)"
 
   def init_fn(params):

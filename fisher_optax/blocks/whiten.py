@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, validation
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 CUBIC_COEFFS = (1.5, -0.5, 0.0)
@@ -91,13 +91,13 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
   """
   if method not in ("newton_schulz", "exact"):
     raise ValueError(f"`method` must be 'newton_schulz' or 'exact', got {method!r}")
-  routing.check_int("steps", steps, low=1)
+  validation.check_int("steps", steps, low=1)
   if not isinstance(steps, jax.core.Tracer):
     steps = int(steps)
   if len(tuple(coeffs)) != 3:
     raise ValueError(f"`coeffs` must be three numbers (a, b, c), got {coeffs!r}")
-  routing.check_range("eps", eps, low=0.0, high=1.0)
-  routing.check_range("rcond", rcond, low=0.0, high=1.0)
+  validation.check_range("eps", eps, low=0.0, high=1.0)
+  validation.check_range("rcond", rcond, low=0.0, high=1.0)
   coeffs = tuple(float(c) for c in coeffs)
 
   def per_matrix(g, view):
@@ -126,7 +126,7 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
   scaling). Stateless.
   """
   if consistent_rms is not None:
-    routing.check_range("consistent_rms", consistent_rms, low=0.0, high=float("inf"))
+    validation.check_range("consistent_rms", consistent_rms, low=0.0, high=float("inf"))
 
   def per_matrix(g, view):
     fan_in, fan_out = view.fan_in, view.fan_out
