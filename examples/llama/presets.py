@@ -87,8 +87,12 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
   exclude = ["embed"] + (["lm_head"] if lm_head_on_adam else [])
   mask = fo.path_mask(exclude=exclude)
   if name == "muon":
+    # optax.contrib.muon also evaluates this on its own partition (embeddings and output
+    # layer absent there), so unmatched patterns must not raise inside it
+    sub_mask = fo.path_mask(exclude=exclude, on_unmatched="ignore")
+
     def dim_numbers(params):
-      sel = mask(params)
+      sel = sub_mask(params)
       return jax.tree.map(lambda s: optax.contrib.MuonDimensionNumbers() if s else None, sel)
     kw = dict(consistent_rms=0.2, muon_weight_dimension_numbers=dim_numbers)
     kw.update(hparams)
