@@ -3,7 +3,7 @@
     python benchmarks/convergence.py --preset tiny --steps 2000 --sweep-steps 500 \\
         --seeds 0,1,2 --out benchmarks/results/convergence_tiny
 
-For each optimizer (default: tuned AdamW, ``optax.contrib.muon``, racs, alice, alice0,
+For each optimizer (default: tuned AdamW, ``optax.contrib.muon``, racs, alice, alice0, alice_soap,
 galore, soap, apollo_mini, swan, and Muon composed of fisher_optax blocks ``fo_muon``; any
 name of ``examples/llama/presets.OPTIMIZERS``):
 
@@ -54,7 +54,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from examples.llama import curves
 from examples.llama import presets
 
-DEFAULT_OPTIMIZERS = "adamw,muon,racs,alice,alice0,galore,soap,apollo_mini,swan,fo_muon"
+DEFAULT_OPTIMIZERS = ("adamw,muon,racs,alice,alice0,alice_soap,galore,soap,apollo_mini,swan,"
+                      "fo_muon")
 ADAMW_GRID = [dict(b2=b2, weight_decay=wd) for b2 in (0.999, 0.95) for wd in (0.0, 0.1)]
 EVALS_PER_RUN = 40  # every 2.5% of the budget: steps-to-target resolved to well under 5%
 SWEEP_EVALS = 5  # a sweep run is judged by its final eval loss only

@@ -13,7 +13,7 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.optimizers import (alice, alice0, apollo, apollo_mini, eigen_adam, fira, galore,
+from fisher_optax.optimizers import (alice, alice0, alice_soap, apollo, apollo_mini, eigen_adam, fira, galore,
                                      inject_hyperparams, muon, racs, shampoo, soap, swan)
 from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,  # noqa: E402
                                  scale_by_shape, whiten)
@@ -25,7 +25,7 @@ from fisher_optax.flax_dims import flax_dims
 __version__ = "0.1.0"
 
 __all__ = [
-    "alice", "alice0", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
+    "alice", "alice0", "alice_soap", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
     "apollo", "apollo_mini", "swan", "muon", "normalize", "whiten", "scale_by_momentum", "scale_by_shape",
     "ScaleByMomentumState", "inject_hyperparams", "rotate", "RotateState", "random_project",
     "scale_by_subspace_ratio", "RandomProjectState",

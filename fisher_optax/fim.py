@@ -224,6 +224,67 @@ def soap(samples) -> Approximation:
                lambda x: ul @ np.where(d > 0, (ul.T @ x @ ur) / np.sqrt(safe), 0.0) @ ur.T)
 
 
+def _top(a: Array, r: int) -> Array:
+  return _eig_desc(a)[:, :r]
+
+
+def _complement_scale(stat: Array, d: int) -> Array:
+  """The compensation theorem's ``E[...] / d`` variances, 0 where there is nothing."""
+  return np.maximum(stat, 0.0) / d if d > 0 else np.zeros_like(stat)
+
+
+def alice(samples, rank: int) -> Approximation:
+  """Alice's structure (paper Sec. 5, Eq. "alice update decomposition" and Thm. "Optimal
+  compensation") with the rank-``r`` eigenbasis ``U`` of ``E[GG^T]``:
+  ``blockdiag(U D_i U^T) + diag(p / (m - r)) (x) (I - U U^T)``, ``D_i =
+  diag(E[(U^T g_i)^2])``, ``p_j = E[||g_j||^2 - ||U^T g_j||^2]``. The second term is the
+  compensation's structure ``S^-2 (x) U_c U_c^T`` at its optimal ``S``."""
+  g = _stack(samples)
+  _, m, n = g.shape
+  r = min(rank, m)
+  u = _top(np.mean(g @ np.swapaxes(g, 1, 2), axis=0), r)
+  sig = u.T @ g
+  d = np.mean(sig ** 2, axis=0)  # r x n
+  core = blockdiag([u @ np.diag(d[:, i]) @ u.T for i in range(n)])
+  p = _complement_scale(np.mean(np.sum(g ** 2, 1) - np.sum(sig ** 2, 1), axis=0), m - r)
+  f = core + np.kron(np.diag(p), np.eye(m) - u @ u.T)
+  return _make("alice", f, empirical_fim(g), m, n, {"U": u, "D": d, "p": p})
+
+
+def alice_soap(samples, rank: int, right_rank: int | None = None) -> Approximation:
+  """:func:`fisher_optax.alice_soap`'s structure (docs/low_rank_soap.md): SOAP's
+  ``(V (x) U) D (V (x) U)^T`` on rank-``r`` left and rank-``k`` right bases, plus the
+  optimal compensations of the right complement inside ``span(U)`` and of the left
+  complement::
+
+    F~ = (V (x) U) diag(vec(D)) (V (x) U)^T            D = E[(U^T G V)^2]      (r x k)
+       + (I - V V^T) (x) U diag(q / (n - k)) U^T       q_i = E[||sigma_i||^2 - ||(sigma V)_i||^2]
+       + diag(p / (m - r)) (x) (I - U U^T)             p_j = E[||g_j||^2 - ||sigma_j||^2]
+
+  with ``U = eig_r(E[G G^T])``, ``sigma = U^T G``, ``V = eig_k(E[sigma^T sigma])``. The
+  three terms act on orthogonal subspaces of ``R^{mn}``; at ``r = m, k = n`` only the
+  first remains and it is :func:`soap`."""
+  g = _stack(samples)
+  _, m, n = g.shape
+  r = min(rank, m)
+  k = min(rank if right_rank is None else right_rank, n)
+  u = _top(np.mean(g @ np.swapaxes(g, 1, 2), axis=0), r)
+  sig = u.T @ g  # N x r x n
+  v = _top(np.mean(np.swapaxes(sig, 1, 2) @ sig, axis=0), k)
+  core = sig @ v  # N x r x k
+  d = np.mean(core ** 2, axis=0)
+  kr = np.kron(v, u)
+  q = _complement_scale(np.mean(np.sum(sig ** 2, 2) - np.sum(core ** 2, 2), axis=0), n - k)
+  p = _complement_scale(np.mean(np.sum(g ** 2, 1) - np.sum(sig ** 2, 1), axis=0), m - r)
+  f = (kr @ np.diag(vec(d)) @ kr.T
+       + np.kron(np.eye(n) - v @ v.T, u @ np.diag(q) @ u.T)
+       + np.kron(np.diag(p), np.eye(m) - u @ u.T))
+  return _make("alice_soap", f, empirical_fim(g), m, n, {"U": u, "V": v, "D": d, "q": q, "p": p})
+
+
+LOW_RANK_STRUCTURES = {"alice": alice, "alice_soap": alice_soap}
+
+
 STRUCTURES = {"diagonal": diagonal, "whitening": whitening, "normalization": normalization,
               "two_sided": two_sided, "general": general, "shampoo": shampoo,
               "eigen_adam": eigen_adam, "soap": soap}

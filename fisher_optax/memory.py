@@ -9,6 +9,8 @@ GaLore         ``2nr + mr``
 Fira           ``2nr + mr`` (+1 limiter scalar)
 Alice          ``2nr + mr + r^2 + n`` (+1 limiter scalar)
 Alice-0        ``2nr + mr + n`` (+1)
+Alice-SOAP     ``mr + r^2 + nk + k^2 + 2rk + n + r`` (+2 limiter scalars; ``k`` the
+               right rank, default ``r``; not in the paper: docs/low_rank_soap.md)
 Apollo         ``2nr`` (+1 limiter scalar, +1 seed)
 Apollo-mini    ``2n`` (+2: limiter norm, seed) -- the paper's ``2n + 2``
 Eigen-Adam     ``2m^2 + 2mn`` (statistics, basis, moments)
@@ -46,20 +48,24 @@ def state_numbers(state: Any) -> int:
              if hasattr(x, "shape"))
 
 
-def paper_state_numbers(name: str, m: int, n: int, rank: int = 0) -> tuple[int, int]:
+def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
+                        right_rank: int | None = None) -> tuple[int, int]:
   """``(formula, extra)``: the paper's per-matrix state numbers, and per-matrix scalars.
 
   ``m, n`` are the matrix sizes in any order (the formulas use ``m <= n``);
-  ``rank`` is clipped to ``min(m, n)``.
+  ``rank`` is clipped to ``min(m, n)``; ``right_rank`` (Alice-SOAP's ``k``, default
+  ``rank``) to ``n``.
   """
   m, n = min(m, n), max(m, n)
   r = min(rank, m)
+  k = min(rank if right_rank is None else right_rank, n)
   table = {
       "racs": (m + n, 1),
       "galore": (2 * n * r + m * r, 0),
       "fira": (2 * n * r + m * r, 1),
       "alice": (2 * n * r + m * r + r * r + n, 1),
       "alice0": (2 * n * r + m * r + n, 1),
+      "alice_soap": (m * r + r * r + n * k + k * k + 2 * r * k + n + r, 2),
       "apollo": (2 * n * r, 2),
       "apollo_mini": (2 * n, 2),
       "eigen_adam": (2 * m * m + 2 * m * n, 0),

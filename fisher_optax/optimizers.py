@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import math
 
+import jax.numpy as jnp
 import optax
 
 from fisher_optax import routing, validation
@@ -153,8 +154,10 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="racs")
 
 
-def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter, eps, seed,
-                 dims, state_dtype):
+def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, seed,
+                 dims, state_dtype, side="smaller", core=None):
+  """Tracking (+ switching) -> ``core`` on the coefficients (default Adam's moments) ->
+  optimal compensation, on the ``side`` of each matrix (paper Alg. "Alice")."""
   validation.check_int("rank", rank, low=1)
   validation.check_int("leading", leading, low=0, high=rank)
   validation.check_range("b3", b3, low=0.0, high=1.0)
@@ -163,12 +166,14 @@ def _alice_chain(*, rank, leading, interval, alpha, alpha_c, b1, b2, b3, limiter
                       allow_none=True)
   track = low_rank_track(rank=rank, interval=interval, tracking=b3,
                          refresh=switch(leading=leading, seed=seed), dims=dims,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype, side=side)
+  if core is None:
+    core = scale_by_moments(b1, b2, eps, mu_dtype=state_dtype)
   return [
       track,
-      track.on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype)),
-      compensate(method="optimal", weight=alpha_c, b1=b1, limiter=limiter, dims=dims),
-      optax.scale(alpha),
+      track.on_coefficients(core),
+      compensate(method="optimal", weight=alpha_c, b1=b1, limiter=limiter, dims=dims,
+                 side=side),
   ]
 
 
@@ -218,9 +223,10 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
     state_dtype: dtype of ``U``, ``Q~`` and the moments in the state (default float32;
       decompositions always run in float32).
   """
-  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
+  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
-                              seed=seed, dims=dims, state_dtype=state_dtype),
+                              seed=seed, dims=dims, state_dtype=state_dtype)
+                 + [optax.scale(alpha)],
                  learning_rate, mask, dims, fallback,
                  weight_decay, name="alice", rank=rank)
 
@@ -258,11 +264,89 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval, alpha=alpha,
+  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
-                              seed=seed, dims=dims, state_dtype=state_dtype),
+                              seed=seed, dims=dims, state_dtype=state_dtype)
+                 + [optax.scale(alpha)],
                  learning_rate, mask, dims, fallback,
                  weight_decay, name="alice0", rank=rank)
+
+
+@_documented(_ex('alice_soap(1e-2, rank=4, leading=1)'))
+def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
+               right_rank: Optional[int] = None, leading: int = 40, interval: int = 200,
+               alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9, b2: float = 0.9,
+               b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
+               seed: int = 0, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+               dims: routing.DimsSpec = None,
+               fallback: Optional[optax.GradientTransformation] = None,
+               state_dtype=None) -> optax.GradientTransformationExtraArgs:
+  r"""Alice-SOAP: a two-sided low-rank SOAP from the paper's tracking / switching /
+  compensation framework (Sec. 5) applied to SOAP's structure (Sec. 3.5). Not in the
+  paper: derivation and decisions in ``docs/low_rank_soap.md``.
+
+  .. math::
+
+    \sigma = U^\top G,\quad \tau = V^\top \sigma^\top,\quad
+    \omega = \frac{M}{\sqrt{N} + \epsilon},\quad
+    W \leftarrow W - \eta_t\, \alpha \big(U (V \omega + \alpha_c C_R)^\top
+    + \alpha_c C_L\big)
+
+  with ``U`` (``m x r``, ``m <= n``) and ``V`` (``n x k``) tracked bases of
+  ``E[G G^T]`` and ``E[sigma^T sigma]`` (refreshed every ``interval`` steps by subspace
+  iteration with subspace switching on both sides, tracking decay ``b3``), ``M, N`` the
+  EMAs (``b1, b2``, no bias correction) of the ``k x r`` core ``tau`` (SOAP's Adam in
+  the rotated coordinates), ``C_R`` the optimal compensation of the right complement
+  inside ``span(U)`` (rows of ``sigma`` scaled by
+  ``sqrt(n-k) / sqrt(E||sigma_i (I - V V^T)||^2)``) and ``C_L`` Alice's optimal
+  compensation of the left complement; each under a norm-growth limiter. At step 1 the
+  core term is 0 (its moments are updated): as in SOAP, the first step sets up the bases.
+  Chain: :func:`low_rank_track` -> ``on_coefficients`` (
+  :func:`low_rank_track` ``(side="larger")`` -> ``on_coefficients``
+  (:func:`scale_by_moments`) -> :func:`compensate` ``(side="larger")``) ->
+  :func:`compensate` -> ``scale(alpha)`` -> ``scale_by_learning_rate``. State per
+  ``m x n`` matrix: ``mr + r^2 + nk + k^2 + 2rk + n + r`` (+2 limiter scalars), against
+  Alice's ``mr + r^2 + 2nr + n`` and SOAP's ``2m^2 + 2n^2 + 2mn``. At ``rank = m``,
+  ``right_rank = n`` and no switching it is SOAP's update in SOAP's eigenbases
+  (up to SOAP's bias correction and statistics timing; tested).
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule.
+    rank: ``r``, rank of the left basis ``U`` (smaller side), clipped per matrix to
+      ``min(m, n)`` (default: Alice's 256); static.
+    right_rank: ``k``, rank of the right basis ``V`` (larger side), clipped to ``n``;
+      default ``rank``; static.
+    leading: eigenvectors kept at a switch on each side (Alice's 40), at most
+      ``min(rank, right_rank)``.
+    interval: refresh period ``K`` of both bases (Alice's 200).
+    alpha: update scale (Alice's 0.3).
+    alpha_c: weight of both compensations (Alice's 0.4).
+    b1: first-moment decay (0.9); also the compensations' EMA decay.
+    b2: second-moment decay (0.9).
+    b3: tracking decay of both ``r x r`` and ``k x k`` statistics (0.999).
+    limiter: norm-growth limit ``gamma`` of each compensation (1.01); ``None``
+      disables it.
+    eps: Adam's ``epsilon``.
+    seed: seed of the complement draws (the right side uses ``seed + 1``).
+{common}
+    state_dtype: dtype of the bases, tracked statistics and moments in the state
+      (default float32; decompositions always run in float32).
+  """
+  right_rank = rank if right_rank is None else right_rank
+  validation.check_int("right_rank", right_rank, low=1)
+  common = dict(leading=leading, interval=interval, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
+                limiter=limiter, eps=eps, state_dtype=state_dtype)
+  # step 1: both bases come from G_1, so the core U^T G_1 V is diagonal up to float32
+  # rounding, which Adam would blow up to unit size (a different sign on every device
+  # layout); as SOAP, whose first step only sets up its bases, the core makes no update
+  not_first = optax.scale_by_schedule(lambda count: jnp.where(count == 0, 0.0, 1.0))
+  moments = optax.chain(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype), not_first)
+  # Alice on the larger side of the r x n coefficients (dims: they are canonical arrays)
+  right = _alice_chain(rank=right_rank, seed=seed + 1, dims=None, side="larger",
+                       core=moments, **common)
+  blocks = _alice_chain(rank=rank, seed=seed, dims=dims, core=optax.chain(*right), **common)
+  return _finish(blocks + [optax.scale(alpha)], learning_rate, mask, dims, fallback,
+                 weight_decay, name="alice_soap", rank=rank)
 
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
@@ -349,6 +433,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
 racs.static_args = ("iters",)
 alice.static_args = ("rank", "leading")
 alice0.static_args = ("rank", "leading")
+alice_soap.static_args = ("rank", "right_rank", "leading")
 galore.static_args = ("rank",)
 fira.static_args = ("rank",)
 

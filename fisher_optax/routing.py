@@ -170,13 +170,17 @@ def _normalize_axes(ndim: int, dims: MatrixDims) -> tuple[tuple[int, ...], tuple
 
 
 def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
-                smaller_first: bool = False, what: str = "this block") -> MatrixView:
+                smaller_first: bool = False, larger_first: bool = False,
+                what: str = "this block") -> MatrixView:
   """Builds the :class:`MatrixView` of a leaf, or raises a clear ``ValueError``.
 
   Args:
     shape: the leaf's shape.
     dims: its matrix axes (default: the last two).
     smaller_first: transpose tall matrices so the canonical ``m <= n``.
+    larger_first: transpose wide and square matrices so the canonical ``m >= n`` and its
+      rows are the other side than ``smaller_first``'s (a low-rank block
+      acting on the larger side, e.g. the right basis of :func:`fisher_optax.alice_soap`).
     what: name used in the error message.
   """
   shape = tuple(int(s) for s in shape)
@@ -190,7 +194,10 @@ def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
         "send them to Adam by default).")
   r, c = _normalize_axes(len(shape), dims or MatrixDims())
   fan_in, fan_out = math.prod(shape[a] for a in r), math.prod(shape[a] for a in c)
-  transpose = smaller_first and fan_in > fan_out
+  if smaller_first and larger_first:
+    raise ValueError("smaller_first and larger_first exclude each other")
+  # square: smaller = rows, larger = columns, so the two choices always pick different sides
+  transpose = (smaller_first and fan_in > fan_out) or (larger_first and fan_in <= fan_out)
   return MatrixView(shape=shape, rows=r, cols=c, transpose=transpose)
 
 
@@ -207,11 +214,13 @@ def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
                       is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
 
 
-def views_like(tree: Any, dims: DimsSpec, *, smaller_first: bool, what: str) -> Any:
+def views_like(tree: Any, dims: DimsSpec, *, smaller_first: bool, what: str,
+               larger_first: bool = False) -> Any:
   """A tree of :class:`MatrixView` (as static python objects) for every array leaf."""
   dims_tree = resolve_dims(dims, tree)
   return jax.tree.map(
-      lambda x, d: matrix_view(x.shape, d, smaller_first=smaller_first, what=what),
+      lambda x, d: matrix_view(x.shape, d, smaller_first=smaller_first,
+                               larger_first=larger_first, what=what),
       tree, dims_tree)
 
 

@@ -32,6 +32,17 @@ def limiter(norm, phi, gamma):
   return eta, eta * norm
 
 
+def compensation(g, U, sigma, p, b1, d):
+  """Paper Alg. "Compensation" (statistic as ``colsum(G^2) - colsum(sigma^2)``); a column
+  whose residual is at float32 rounding level (``<= 1e-10`` of the column's squared norm)
+  counts as 0 (library decision, ``fisher_optax.blocks.compensate``)."""
+  resid = g - U @ sigma
+  real = (resid ** 2).sum(0) > 1e-10 * (g ** 2).sum(0)
+  p = b1 * p + (1 - b1) * np.where(real, (g ** 2).sum(0) - (sigma ** 2).sum(0), 0.0)
+  safe = np.sqrt(np.maximum(p, 1e-300))
+  return p, np.where(real[None, :], np.sqrt(d) * resid / safe[None, :], 0.0)
+
+
 class RacsRef:
   """Paper Alg. "RACS"."""
 
@@ -125,11 +136,93 @@ class AliceRef:
     self.M = b1 * self.M + (1 - b1) * sigma
     self.V = b2 * self.V + (1 - b2) * sigma ** 2
     omega = self.M / (np.sqrt(self.V) + k["eps"])
-    self.p = b1 * self.p + (1 - b1) * ((g ** 2).sum(0) - (sigma ** 2).sum(0))
-    self.p = np.maximum(self.p, 1e-300)
-    C = np.sqrt(m - r) * (g - U @ sigma) / np.sqrt(self.p)[None, :]
+    self.p, C = compensation(g, U, sigma, self.p, b1, m - r)
     eta, self.phi = limiter(np.linalg.norm(C), self.phi, k["gamma"])
     return -k["lr"] * k["alpha"] * (U @ omega + k["alpha_c"] * eta * C)
+
+
+class AliceSoapRef:
+  """:func:`fisher_optax.alice_soap` (docs/low_rank_soap.md), written out densely.
+
+  Left side exactly as :class:`AliceRef` (``U``, ``Q~_L``, compensation ``C_L``); the
+  core ``X = sigma^T`` (``n x r``) gets the same three steps on its rows: a tracked
+  right basis ``V`` (``n x k``) refreshed with switching from the reconstructed
+  ``Q_R = b3 V Q~_R V^T + (1 - b3) X X^T`` (an explicit ``n x n`` matrix here),
+  Adam moments on ``tau = V^T X`` and the optimal compensation ``C_R`` of ``X - V tau``.
+  ``pick`` / ``pick_right`` are the library's random complement draws.
+  """
+
+  def __init__(self, m, n, *, lr, rank, leading, interval, right_rank=None, alpha=0.3,
+               alpha_c=0.4, b1=0.9, b2=0.9, b3=0.999, gamma=1.01, eps=1e-8):
+    assert m <= n
+    self.left = AliceRef(m, n, lr=lr, rank=rank, leading=leading, interval=interval,
+                         b3=b3, gamma=gamma)
+    r = self.left.r
+    self.k = min(rank if right_rank is None else right_rank, n)
+    self.l_right = min(leading, self.k)
+    self.m, self.n, self.r = m, n, r
+    self.V = np.zeros((n, self.k))
+    self.Qr = np.zeros((self.k, self.k))
+    self.M = np.zeros((self.k, r))
+    self.N = np.zeros((self.k, r))
+    self.p, self.q = np.zeros(n), np.zeros(r)
+    self.phi_l, self.phi_r = 0.0, 0.0
+    self.t = 0
+    self.kw = dict(lr=lr, interval=interval, alpha=alpha, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
+                   gamma=gamma, eps=eps)
+
+  def _switch_right(self, Q, pick):
+    n, k, l = self.n, self.k, self.l_right
+    V1, _ = np.linalg.qr(Q @ self.V)
+    _, v = eig_desc(V1.T @ Q @ V1)
+    ritz = V1 @ v
+    kc = min(k - l, n - k)
+    cols = [ritz[:, : k - kc]]
+    if kc > 0:
+      full, _ = np.linalg.qr(V1, mode="complete")
+      cols.append(full[:, k:][:, pick(self.t, n - k, kc)])
+    return canon(np.concatenate(cols, axis=1))
+
+  def step(self, g, pick=None, pick_right=None):
+    kw = self.kw
+    self.t += 1
+    t, m, n, r, k = self.t, self.m, self.n, self.r, self.k
+    b1, b2, b3 = kw["b1"], kw["b2"], kw["b3"]
+    left = self.left
+    if (t - 1) % kw["interval"] == 0:  # left refresh (AliceRef's, reused)
+      left.t = t
+      if t == 1:
+        U = eig_desc(g @ g.T)[1][:, :r]
+      else:
+        U = left._switch(b3 * left.U @ left.Qt @ left.U.T + (1 - b3) * g @ g.T, pick)
+      left.Qt = U.T @ (left.U @ left.Qt @ left.U.T) @ U
+      left.U = U
+    U = left.U
+    sigma = U.T @ g
+    left.Qt = b3 * left.Qt + (1 - b3) * sigma @ sigma.T
+    X = sigma.T                                   # n x r
+    if (t - 1) % kw["interval"] == 0:
+      if t == 1:
+        V = eig_desc(X @ X.T)[1][:, :k]
+      else:
+        V = self._switch_right(b3 * self.V @ self.Qr @ self.V.T + (1 - b3) * X @ X.T,
+                               pick_right)
+      self.Qr = V.T @ (self.V @ self.Qr @ self.V.T) @ V
+      self.V = V
+    V = self.V
+    tau = V.T @ X                                 # k x r
+    self.Qr = b3 * self.Qr + (1 - b3) * tau @ tau.T
+    self.M = b1 * self.M + (1 - b1) * tau
+    self.N = b2 * self.N + (1 - b2) * tau ** 2
+    omega = self.M / (np.sqrt(self.N) + kw["eps"])
+    self.q, Cr = compensation(X, V, tau, self.q, b1, n - k)
+    eta_r, self.phi_r = limiter(np.linalg.norm(Cr), self.phi_r, kw["gamma"])
+    if t == 1:  # the first step sets up the bases: no core update (library decision)
+      omega = np.zeros_like(omega)
+    core = (V @ omega + kw["alpha_c"] * eta_r * Cr).T  # r x n
+    self.p, Cl = compensation(g, U, sigma, self.p, b1, m - r)
+    eta_l, self.phi_l = limiter(np.linalg.norm(Cl), self.phi_l, kw["gamma"])
+    return -kw["lr"] * kw["alpha"] * (U @ core + kw["alpha_c"] * eta_l * Cl)
 
 
 class GaloreRef:
@@ -179,6 +272,8 @@ def make(name, m, n, **kw):
     return _Transposing(AliceRef, m, n, **kw)
   if name in ("galore", "fira"):
     return _Transposing(GaloreRef, m, n, fira=(name == "fira"), **kw)
+  if name == "alice_soap":
+    return _Transposing(AliceSoapRef, m, n, **kw)
   raise ValueError(name)
 
 

@@ -243,7 +243,8 @@ def test_loud_errors_name_the_argument_and_the_leaf():
 @pytest.mark.parametrize("name", ALL)
 def test_plain_optax_inject_hyperparams_at_defaults(name):
   """As optax's contrib common tests do: only rank-like arguments static."""
-  static = ("rank",) if name in ("alice", "alice0", "galore", "fira", "apollo") else ()
+  static = ("rank",) if name in ("alice", "alice0", "alice_soap", "galore", "fira",
+                                 "apollo") else ()
   tx = optax.inject_hyperparams(getattr(fo, name), static_args=static)(learning_rate=0.1)
   params = {"w": jnp.ones((6, 16)), "b": jnp.ones(3)}
   state = tx.init(params)

@@ -67,12 +67,13 @@ def test_galore_projects_smaller_side_unlike_optax_contrib():
 # ------------------------------------------------------------------ state sizes
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "galore", "fira", "apollo",
-                                  "apollo_mini", "eigen_adam", "soap", "shampoo"])
+@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "alice_soap", "galore", "fira",
+                                  "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo"])
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 16, 40)], ids=str)
 def test_state_sizes_equal_paper_formulas(name, shape):
   rank = 5
-  kw = dict(rank=rank) if name in ("alice", "alice0", "galore", "fira", "apollo") else {}
+  kw = (dict(rank=rank) if name in ("alice", "alice0", "alice_soap", "galore", "fira", "apollo")
+        else {})
   if name.startswith("alice"):
     kw["leading"] = 2
   opt = getattr(fo, name)(LR, dims=STACK, **kw)

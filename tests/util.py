@@ -19,6 +19,8 @@ CONFIGS = {
                   ref=dict(rank=3, leading=1, interval=3)),
     "alice0": dict(lib=dict(rank=3, leading=1, interval=3),
                    ref=dict(rank=3, leading=1, interval=3)),
+    "alice_soap": dict(lib=dict(rank=3, leading=1, interval=3, right_rank=2),
+                       ref=dict(rank=3, leading=1, interval=3, right_rank=2)),
     "galore": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
     "fira": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
 }
@@ -55,6 +57,8 @@ def run_reference(name, shape, grads, leaf_index=0, **kw):
     steps = []
     for b, ref in enumerate(refs):
       kwargs = {} if name == "racs" else {"pick": _picker(shape, b, leaf_index=leaf_index)}
+      if name == "alice_soap":  # the right basis draws with seed + 1 (alice_soap's docs)
+        kwargs["pick_right"] = _picker(shape, b, seed=1, leaf_index=leaf_index)
       steps.append(ref.step(g[b], **kwargs))
     outs.append(np.stack(steps).reshape(shape))
   return outs
@@ -106,6 +110,7 @@ _NAMED_KW = {
     "racs": {},
     "alice": dict(rank=3, leading=1, interval=2),
     "alice0": dict(rank=3, leading=1, interval=2),
+    "alice_soap": dict(rank=3, leading=1, interval=2),
     "galore": dict(rank=3, interval=2),
     "fira": dict(rank=3, interval=2),
     "eigen_adam": dict(interval=2),

@@ -35,7 +35,8 @@ LOW_RANK = {"tiny": (32, 10, 100), "small": (64, 20, 200), "60M": (128, 40, 200)
 # and with the structured optimizer for Alice, GaLore and Fira ("Ppl").
 LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "fo_muon", "swan", "racs", "apollo", "apollo_mini"}
 
-OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0", "galore",
+OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0",
+              "alice_soap", "galore",
               "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo")
 
 
@@ -52,7 +53,7 @@ def default_lr(preset: str, name: str) -> float:
   return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3,
           "muon": 7e-4 if big else 1e-3, "fo_muon": 7e-4 if big else 1e-3,
           "swan": 7e-4 if big else 1e-3, "racs": 0.02,
-          "alice": 0.02, "alice0": 0.02, "galore": 0.01 if big else 0.02,
+          "alice": 0.02, "alice0": 0.02, "alice_soap": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
           "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03}[name]
 
@@ -101,7 +102,7 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
   r, l, k = LOW_RANK[preset]
   if name == "racs":
     kw = dict(alpha=0.02 if big else 0.05)
-  elif name in ("alice", "alice0"):
+  elif name in ("alice", "alice0", "alice_soap"):
     kw = dict(rank=r, leading=l, interval=k, alpha=0.25 if big else 0.3,
               alpha_c=0.2 if big else 0.4)
   elif name in ("galore", "fira"):

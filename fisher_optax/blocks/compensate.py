@@ -11,7 +11,9 @@ Thm. "Optimal compensation" (decay ``b1``)::
 
 ``colsum(R^2)`` equals the paper's ``colsum(G^2) - colsum(sigma^2)`` in exact
 arithmetic (``U`` orthonormal) but cannot cancel to a negative or tiny value in
-floating point, which would blow ``C`` up; columns with ``p = 0`` get 0. The
+floating point, which would blow ``C`` up; columns with ``p = 0`` get 0. A column whose
+residual is at rounding level (``||R_j||^2 <= 1e-10 ||G_j||^2``: its exact value is 0,
+as when ``G``'s column lies in ``span(U)``) counts as exactly 0, in ``p`` and in ``C``. The
 result is orthogonal to span(U) before the ``U coeffs`` term is added.
 
 ``method="fira"`` -- Fira's compensation as in its release (``fira_adamw.py``)::
@@ -40,6 +42,11 @@ from fisher_optax.blocks import limiter as limiter_lib
 from fisher_optax.blocks import low_rank, random_projection
 
 
+# Squared relative size below which a residual column counts as 0 (float32 rounding of
+# ``G - U U^T G`` is ~1e-7 relative per entry; 1e-10 on squares is a 1e-5 relative norm).
+RESIDUAL_FLOOR = 1e-10
+
+
 class CompensateState(NamedTuple):
   """``p``: ``batch + (n,)`` column statistics (``None`` for Fira); ``phi``: ``batch``."""
   p: Optional[optax.Updates]
@@ -48,7 +55,8 @@ class CompensateState(NamedTuple):
 
 def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
                limiter: Optional[float] = 1.01, scale: float = 1.0,
-               dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+               dims: routing.DimsSpec = None,
+               side: str = "smaller") -> optax.GradientTransformation:
   """Maps :class:`~fisher_optax.blocks.low_rank.Subspace` nodes to compensated dense updates.
 
   Args:
@@ -60,7 +68,10 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
     scale: factor on the back-projection ``U coeffs`` (and, for Fira, on
       ``U sigma`` in the residual); GaLore/Fira's ``alpha``. Alice uses 1.
     dims: matrix axes per leaf, as given to :func:`low_rank_track`.
+    side: the side the basis spans, as given to :func:`low_rank_track` (``"larger"``:
+      the canonical matrix is ``m >= n`` and ``p`` runs along its smaller side).
   """
+  low_rank.check_side(side)
   if method not in ("optimal", "fira"):
     raise ValueError(f"`method` must be 'optimal' or 'fira', got {method!r}")
   validation.check_range("b1", b1, low=0.0, high=1.0)
@@ -69,7 +80,7 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
   what = "compensate"
 
   def init_fn(params):
-    views = routing.views_like(params, dims, smaller_first=True, what=what)
+    views = low_rank.side_views(params, dims, what, side)
     p = None
     if method == "optimal":
       p = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32), params, views)
@@ -82,7 +93,13 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
     low = low_rank.dense_low_rank(s)
     if method == "optimal":
       resid = g - u @ sigma
-      p_new = b1 * p + (1 - b1) * jnp.sum(jnp.square(resid), axis=-2)
+      # a column whose residual is at rounding level (its true value is 0, e.g. G's column
+      # lies in span(U)) is exactly 0: rounding noise scaled by its own tiny p would be a
+      # unit-size update in a random direction
+      rsq = jnp.sum(jnp.square(resid), axis=-2)
+      real = rsq > RESIDUAL_FLOOR * jnp.sum(jnp.square(g), axis=-2)
+      resid = jnp.where(real[..., None, :], resid, 0.0)
+      p_new = b1 * p + (1 - b1) * jnp.where(real, rsq, 0.0)
       p_new = jnp.where(jnp.isfinite(p_new), p_new, p)
       c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
     else:

@@ -116,12 +116,13 @@ class SubspaceSource(optax.GradientTransformation):
   """
 
   def on_coefficients(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    return on_coefficients(inner, rank=self.rank, dims=self.dims)
+    return on_coefficients(inner, rank=self.rank, dims=self.dims, side=self.side)
 
 
-def subspace_source(init_fn, update_fn, *, rank: int, dims: routing.DimsSpec) -> SubspaceSource:
+def subspace_source(init_fn, update_fn, *, rank: int, dims: routing.DimsSpec,
+                    side: str = "smaller") -> SubspaceSource:
   out = SubspaceSource(init_fn, update_fn)
-  out.rank, out.dims = rank, dims
+  out.rank, out.dims, out.side = rank, dims, side
   return out
 
 
@@ -134,8 +135,20 @@ def clipped_rank(rank: int, view: routing.MatrixView) -> int:
   return min(int(rank), view.m)
 
 
-def _views(tree, dims, what):
-  return routing.views_like(tree, dims, smaller_first=True, what=what)
+SIDES = ("smaller", "larger")
+
+
+def check_side(side: str) -> str:
+  if side not in SIDES:
+    raise ValueError(f"`side` must be one of {SIDES}, got {side!r}")
+  return side
+
+
+def side_views(tree, dims, what, side: str = "smaller"):
+  """Canonical views with the projected side as rows: ``m <= n`` for ``side="smaller"``
+  (the paper's convention), ``m >= n`` for ``side="larger"``."""
+  return routing.views_like(tree, dims, smaller_first=side == "smaller",
+                            larger_first=side == "larger", what=what)
 
 
 class LowRankTrackState(NamedTuple):
@@ -149,7 +162,8 @@ class LowRankTrackState(NamedTuple):
 
 def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
                    refresh: Optional[Any] = None, dims: routing.DimsSpec = None,
-                   state_dtype: Optional[jnp.dtype] = None) -> "SubspaceSource":
+                   state_dtype: Optional[jnp.dtype] = None,
+                   side: str = "smaller") -> "SubspaceSource":
   """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
 
   Every step: ``sigma = U^T G``; if ``tracking > 0``:
@@ -164,7 +178,11 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
     dims: matrix axes per leaf (default: the last two).
     state_dtype: dtype of ``U`` and ``Q~`` in the state (default float32; all
       decompositions run in float32 regardless).
+    side: which side ``U`` spans: ``"smaller"`` (the paper's ``m <= n``) or ``"larger"``
+      (the canonical matrix is then ``m >= n``; :func:`fisher_optax.alice_soap` uses it
+      for the right basis of its ``r x n`` coefficients).
   """
+  check_side(side)
   validation.check_int("rank", rank, low=1)
   rank = validation.static_int("rank", rank)
   validation.check_int("interval", interval, low=1)
@@ -175,7 +193,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
   what = "low_rank_track"
 
   def init_fn(params):
-    views = _views(params, dims, what)
+    views = side_views(params, dims, what, side)
     basis = jax.tree.map(
         lambda p, v: jnp.zeros(v.batch_shape + (v.m, clipped_rank(rank, v)), sdtype), params, views)
     tracked = None
@@ -188,7 +206,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
 
   def update_fn(updates, state, params=None):
     del params
-    views = _views(updates, dims, what)
+    views = side_views(updates, dims, what, side)
     count = state.count
     do_refresh = (count % interval) == 0
     is_first = count == 0
@@ -273,7 +291,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
         key=state.key)
     return treedef.unflatten(out), new_state
 
-  return subspace_source(init_fn, update_fn, rank=rank, dims=dims)
+  return subspace_source(init_fn, update_fn, rank=rank, dims=dims, side=side)
 
 
 class OnCoefficientsState(NamedTuple):
@@ -281,21 +299,23 @@ class OnCoefficientsState(NamedTuple):
 
 
 def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
-                    dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+                    dims: routing.DimsSpec = None,
+                    side: str = "smaller") -> optax.GradientTransformation:
   """Runs ``inner`` (e.g. ``optax.scale_by_adam``) on the subspace coefficients.
 
   ``inner`` sees a tree of ``batch + (r, n)`` arrays (``r`` clipped per matrix)
   and must not need ``params``. ``rank`` and ``dims`` must equal those given to
-  :func:`low_rank_track` (they define the coefficient shapes at ``init``);
-  ``track.on_coefficients(inner)`` (:class:`SubspaceSource`) takes them from the
-  tracking block itself.
+  :func:`low_rank_track` (they define the coefficient shapes at ``init``), and so must
+  ``side``; ``track.on_coefficients(inner)`` (:class:`SubspaceSource`) takes them from
+  the tracking block itself.
   """
+  check_side(side)
   validation.check_int("rank", rank, low=1)
   rank = validation.static_int("rank", rank)
   what = "on_coefficients"
 
   def _coeff_like(params):
-    views = _views(params, dims, what)
+    views = side_views(params, dims, what, side)
     return jax.tree.map(
         lambda p, v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v), v.n), jnp.float32),
         params, views)
