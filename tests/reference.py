@@ -32,6 +32,22 @@ def limiter(norm, phi, gamma):
   return eta, eta * norm
 
 
+def switch(Q, U, l, pick, t):
+  """Alg. "Subspace switching" on an explicit ``Q`` from the old basis ``U`` (``m x r``):
+  one subspace-iteration step, Rayleigh-Ritz, the top ``l`` Ritz vectors and ``r - l``
+  columns of the complement's complete-QR basis drawn by ``pick(t, m - r, k)``."""
+  m, r = U.shape
+  U1, _ = np.linalg.qr(Q @ U)
+  _, v = eig_desc(U1.T @ Q @ U1)
+  ritz = U1 @ v
+  kc = min(r - l, m - r)
+  cols = [ritz[:, : r - kc]]
+  if kc > 0:
+    full, _ = np.linalg.qr(U1, mode="complete")
+    cols.append(full[:, r:][:, pick(t, m - r, kc)])
+  return canon(np.concatenate(cols, axis=1))
+
+
 def compensation(g, U, sigma, p, b1, d):
   """Paper Alg. "Compensation" (statistic as ``colsum(G^2) - colsum(sigma^2)``); a column
   whose residual is at float32 rounding level (``<= 1e-10`` of the column's squared norm)
@@ -105,17 +121,7 @@ class AliceRef:
                    gamma=gamma, eps=eps)
 
   def _switch(self, Q, pick):
-    m, r, l = self.m, self.r, self.l
-    U1, _ = np.linalg.qr(Q @ self.U)
-    _, v = eig_desc(U1.T @ Q @ U1)
-    ritz = U1 @ v
-    kc = min(r - l, m - r)
-    cols = [ritz[:, : r - kc]]
-    if kc > 0:
-      full, _ = np.linalg.qr(U1, mode="complete")
-      comp = full[:, r:]
-      cols.append(comp[:, pick(self.t, m - r, kc)])
-    return canon(np.concatenate(cols, axis=1))
+    return switch(Q, self.U, self.l, pick, self.t)
 
   def step(self, g, pick=None):
     k = self.kw
@@ -171,18 +177,6 @@ class AliceSoapRef:
     self.kw = dict(lr=lr, interval=interval, alpha=alpha, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
                    gamma=gamma, eps=eps)
 
-  def _switch_right(self, Q, pick):
-    n, k, l = self.n, self.k, self.l_right
-    V1, _ = np.linalg.qr(Q @ self.V)
-    _, v = eig_desc(V1.T @ Q @ V1)
-    ritz = V1 @ v
-    kc = min(k - l, n - k)
-    cols = [ritz[:, : k - kc]]
-    if kc > 0:
-      full, _ = np.linalg.qr(V1, mode="complete")
-      cols.append(full[:, k:][:, pick(self.t, n - k, kc)])
-    return canon(np.concatenate(cols, axis=1))
-
   def step(self, g, pick=None, pick_right=None):
     kw = self.kw
     self.t += 1
@@ -205,8 +199,8 @@ class AliceSoapRef:
       if t == 1:
         V = eig_desc(X @ X.T)[1][:, :k]
       else:
-        V = self._switch_right(b3 * self.V @ self.Qr @ self.V.T + (1 - b3) * X @ X.T,
-                               pick_right)
+        V = switch(b3 * self.V @ self.Qr @ self.V.T + (1 - b3) * X @ X.T, self.V,
+                   self.l_right, pick_right, t)
       self.Qr = V.T @ (self.V @ self.Qr @ self.V.T) @ V
       self.V = V
     V = self.V

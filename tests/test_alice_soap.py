@@ -15,19 +15,9 @@ import pytest
 
 import fisher_optax as fo
 from fisher_optax import fim
+from tests.util import run_opt as _run
 
 M = 6
-
-
-def _run(tx, grads, shape):
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  out = []
-  for g in grads:
-    u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
-    out.append(np.asarray(u["w"], np.float64))
-  return out
 
 
 def _rel(a, b):
