@@ -145,8 +145,6 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
     eps: relative floor of the scales (``max(s) * eps``).
 {common}
   """
-  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
-                      allow_none=True)
   blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=dims)]
   if limiter is not None:
     blocks.append(norm_growth_limiter(limiter, dims=dims))
@@ -158,13 +156,7 @@ def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, 
                  dims, state_dtype, side="smaller", core=None):
   """Tracking (+ switching) -> ``core`` on the coefficients (default Adam's moments) ->
   optimal compensation, on the ``side`` of each matrix (paper Alg. "Alice")."""
-  validation.check_int("rank", rank, low=1)
-  validation.check_int("leading", leading, low=0, high=rank)
-  validation.check_range("b3", b3, low=0.0, high=1.0)
-  validation.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
-  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
-                      allow_none=True)
-  track = low_rank_track(rank=rank, interval=interval, tracking=b3,
+  track = low_rank_track(rank=rank, interval=interval, b3=b3,
                          refresh=switch(leading=leading, seed=seed), dims=dims,
                          state_dtype=state_dtype, side=side)
   if core is None:
@@ -172,7 +164,7 @@ def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, 
   return [
       track,
       track.on_coefficients(core),
-      compensate(method="optimal", weight=alpha_c, b1=b1, limiter=limiter, dims=dims,
+      compensate(method="optimal", alpha_c=alpha_c, b1=b1, limiter=limiter, dims=dims,
                  side=side),
   ]
 
@@ -333,7 +325,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
       (default float32; decompositions always run in float32).
   """
   right_rank = rank if right_rank is None else right_rank
-  validation.check_int("right_rank", right_rank, low=1)
+  validation.check_int("right_rank", right_rank, low=1)  # the right chain calls it `rank`
   common = dict(leading=leading, interval=interval, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
                 limiter=limiter, eps=eps, state_dtype=state_dtype)
   # step 1: both bases come from G_1, so the core U^T G_1 V is diagonal up to float32
@@ -424,7 +416,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
     state_dtype: dtype of the state arrays (default float32).
   """
   blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
-      compensate(method="fira", weight=1.0, scale=scale, limiter=limiter, dims=dims),
+      compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=dims),
       scale_by_bias_correction(b1, b2)]
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="fira",
                  rank=rank)
@@ -508,8 +500,8 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
+  # rotate calls it `interval`: an error should name the argument the user passed
   validation.check_int("precondition_frequency", precondition_frequency, low=1)
-  validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
   inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
   blocks = [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
@@ -544,7 +536,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
       static.
 {common}
   """
-  validation.check_range("eps", eps, low=0.0, high=float("inf"))
+  validation.check_range("eps", eps, low=0.0, high=float("inf"))  # rotate's `stats_eps`
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
                    stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
@@ -568,9 +560,7 @@ shampoo.static_args = ("max_precond_dim",)
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
             dims, fallback, weight_decay):
-  validation.check_range("scale", scale, low=0.0, high=float("inf"))
-  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
-                      allow_none=True)
+  validation.check_range("scale", scale, low=0.0, high=float("inf"))  # used here: sqrt
   project = random_project(rank=rank, interval=interval, seed=seed, dims=dims)
   blocks = [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),
             scale_by_subspace_ratio(kind)]

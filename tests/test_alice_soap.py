@@ -184,7 +184,7 @@ def test_compensation_of_a_residual_at_rounding_level_is_zero():
   rng = np.random.default_rng(0)
   u = np.linalg.qr(rng.standard_normal((8, 3)))[0]
   g = u @ rng.standard_normal((3, 12))  # rank 3: the rank-3 tracked basis spans it
-  tx = optax.chain(fo.low_rank_track(rank=3), fo.compensate(weight=1.0, limiter=None))
+  tx = optax.chain(fo.low_rank_track(rank=3), fo.compensate(alpha_c=1.0, limiter=None))
   out = _run(tx, [g], (8, 12))[0]
   np.testing.assert_allclose(out, g, rtol=1e-4, atol=1e-5)  # = U U^T G, nothing added
 

@@ -17,7 +17,7 @@ def _chain(method, **kw):
 
 @pytest.mark.parametrize("method", ["optimal", "fira"])
 def test_compensation_orthogonal_to_span_u(method):
-  tx = _chain(method, weight=1.0, limiter=None)
+  tx = _chain(method, alpha_c=1.0, limiter=None)
   rng = np.random.default_rng(0)
   p = {"w": jnp.zeros((7, 11))}
   s = tx.init(p)
@@ -34,7 +34,7 @@ def test_compensation_orthogonal_to_span_u(method):
 def test_optimal_compensation_scale_matches_theorem():
   """One step, b1 = 0: C = sqrt(m - r) R / ||R_j|| columnwise, i.e. every column of C
   has norm sqrt(m - r) (Thm. "Optimal compensation" with a 1-sample expectation)."""
-  tx = _chain("optimal", weight=1.0, b1=0.0, limiter=None)
+  tx = _chain("optimal", alpha_c=1.0, b1=0.0, limiter=None)
   g = jnp.asarray(np.random.default_rng(1).standard_normal((7, 11)), jnp.float32)
   s = tx.init({"w": g})
   out, s = tx.update({"w": g}, s)
@@ -45,7 +45,7 @@ def test_optimal_compensation_scale_matches_theorem():
 
 def test_full_rank_means_no_compensation_and_finite():
   tx = optax.chain(fo.low_rank_track(rank=5), fo.on_coefficients(optax.identity(), rank=5),
-                   fo.compensate(weight=1.0))
+                   fo.compensate(alpha_c=1.0))
   g = jnp.asarray(np.random.default_rng(2).standard_normal((5, 8)), jnp.float32)
   out, _ = tx.update({"w": g}, tx.init({"w": g}))
   np.testing.assert_allclose(np.asarray(out["w"]), np.asarray(g), atol=1e-5)
@@ -54,7 +54,7 @@ def test_full_rank_means_no_compensation_and_finite():
 def test_zero_columns_give_zero_compensation():
   g = np.random.default_rng(3).standard_normal((6, 9)).astype(np.float32)
   g[:, 2] = 0
-  tx = _chain("optimal", weight=1.0)
+  tx = _chain("optimal", alpha_c=1.0)
   out, _ = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.asarray(g)}))
   assert np.all(np.isfinite(np.asarray(out["w"])))
   np.testing.assert_array_equal(np.asarray(out["w"])[:, 2], 0.0)

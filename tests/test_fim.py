@@ -225,7 +225,7 @@ def test_compensation_block_uses_the_optimal_s():
   """With b1 = 0 (one-sample expectation) ``fo.compensate`` computes U_c U_c^T G diag(S*)."""
   g = np.random.default_rng(9).standard_normal((1, 6, 8))
   tx = optax.chain(fo.low_rank_track(rank=2), fo.on_coefficients(optax.identity(), rank=2),
-                   fo.compensate(weight=1.0, b1=0.0, limiter=None))
+                   fo.compensate(alpha_c=1.0, b1=0.0, limiter=None))
   p = {"w": jnp.zeros((6, 8))}
   out, st = tx.update({"w": jnp.asarray(g[0], jnp.float32)}, tx.init(p), p)
   u = np.asarray(st[0].basis["w"], np.float64)

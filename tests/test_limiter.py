@@ -45,6 +45,6 @@ def test_zero_first_steps_do_not_freeze():
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0])
-def test_invalid_threshold(bad):
-  with pytest.raises(ValueError, match="threshold"):
+def test_invalid_limiter(bad):
+  with pytest.raises(ValueError, match="limiter"):
     fo.norm_growth_limiter(bad)

@@ -15,7 +15,7 @@ def _grads(shape, k, seed=0):
 
 
 def test_tracking_is_ema_of_projected_outer_products():
-  tx = fo.low_rank_track(rank=3, interval=100, tracking=0.9)
+  tx = fo.low_rank_track(rank=3, interval=100, b3=0.9)
   p = {"w": jnp.zeros((6, 9))}
   s = tx.init(p)
   q = np.zeros((3, 3))
@@ -86,7 +86,7 @@ def test_rank_mismatch_between_blocks_is_a_clear_error():
 
 
 @pytest.mark.parametrize("kw,arg", [(dict(rank=0), "rank"), (dict(rank=2, interval=0), "interval"),
-                                    (dict(rank=2, tracking=1.0), "tracking")])
+                                    (dict(rank=2, b3=1.0), "b3")])
 def test_invalid_settings(kw, arg):
   with pytest.raises(ValueError, match=arg):
     fo.low_rank_track(**kw)
@@ -111,7 +111,7 @@ def test_nan_refresh_keeps_previous_basis():
 
 
 def _low_rank_updates(*middle, steps=3):
-  track = fo.low_rank_track(rank=3, interval=2, tracking=0.9)
+  track = fo.low_rank_track(rank=3, interval=2, b3=0.9)
   tx = optax.chain(track, track.on_coefficients(optax.scale_by_adam()), *middle,
                    fo.project_back())
   p = {"w": jnp.zeros((6, 10))}

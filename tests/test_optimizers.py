@@ -236,16 +236,16 @@ def ablation_rows(lr=LR, *, rank=3, leading=1, interval=2, alpha=0.3, alpha_c=0.
       "projection only": optax.chain(
           fo.low_rank_track(rank=rank, interval=interval), moments(), fo.project_back(), *tail),
       "+ tracking": optax.chain(
-          fo.low_rank_track(rank=rank, interval=interval, tracking=b3), moments(),
+          fo.low_rank_track(rank=rank, interval=interval, b3=b3), moments(),
           fo.project_back(), *tail),
       "+ tracking + switching": optax.chain(
-          fo.low_rank_track(rank=rank, interval=interval, tracking=b3,
+          fo.low_rank_track(rank=rank, interval=interval, b3=b3,
                             refresh=fo.switch(leading=leading)), moments(), fo.project_back(),
           *tail),
       "+ compensation (Alice)": optax.chain(
-          fo.low_rank_track(rank=rank, interval=interval, tracking=b3,
+          fo.low_rank_track(rank=rank, interval=interval, b3=b3,
                             refresh=fo.switch(leading=leading)), moments(),
-          fo.compensate(weight=alpha_c, b1=b1), *tail),
+          fo.compensate(alpha_c=alpha_c, b1=b1), *tail),
   }
 
 

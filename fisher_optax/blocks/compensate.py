@@ -7,7 +7,7 @@ Thm. "Optimal compensation" (decay ``b1``)::
     p  <- b1 p + (1 - b1) colsum(R^2)                     (= colsum(G^2) - colsum(sigma^2))
     C   = sqrt(m - r) R diag(p)^-1/2
     eta = limiter(||C||_F, phi)                           (fisher_optax.blocks.limiter)
-    out = U coeffs + weight * eta * C
+    out = U coeffs + alpha_c * eta * C
 
 ``colsum(R^2)`` equals the paper's ``colsum(G^2) - colsum(sigma^2)`` in exact
 arithmetic (``U`` orthonormal) but cannot cancel to a negative or tiny value in
@@ -19,7 +19,7 @@ result is orthogonal to span(U) before the ``U coeffs`` term is added.
 ``method="fira"`` -- Fira's compensation as in its release (``fira_adamw.py``)::
 
     phi_j = ||coeffs_{:,j}|| / (||sigma_{:,j}|| + 1e-8)    (per column of r x n)
-    out   = scale * U coeffs + weight * eta * (G - scale * U sigma) diag(phi)
+    out   = scale * U coeffs + alpha_c * eta * (G - scale * U sigma) diag(phi)
 
 where ``scale`` is GaLore's ``alpha``: the release's ``project_back`` multiplies
 by ``alpha`` before the residual is formed, so the residual keeps
@@ -53,7 +53,7 @@ class CompensateState(NamedTuple):
   phi: optax.Updates
 
 
-def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
+def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9,
                limiter: Optional[float] = 1.01, scale: float = 1.0,
                dims: routing.DimsSpec = None,
                side: str = "smaller") -> optax.GradientTransformation:
@@ -61,7 +61,7 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
 
   Args:
     method: ``"optimal"`` (Alice, Thm. "Optimal compensation") or ``"fira"``.
-    weight: factor on the compensation term (Alice's ``alpha_c``).
+    alpha_c: factor on the compensation term (Alice's ``alpha_c``; Fira uses 1), >= 0.
     b1: decay of ``p`` (optimal method), [0, 1).
     limiter: norm-growth threshold ``gamma > 0`` on the compensation term, or
       ``None`` for no limiter.
@@ -75,6 +75,7 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
   if method not in ("optimal", "fira"):
     raise ValueError(f"`method` must be 'optimal' or 'fira', got {method!r}")
   validation.check_range("b1", b1, low=0.0, high=1.0)
+  validation.check_range("alpha_c", alpha_c, low=0.0, high=float("inf"))
   validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True,
                       allow_none=True)
   what = "compensate"
@@ -112,7 +113,7 @@ def compensate(*, method: str = "optimal", weight: float = 1.0, b1: float = 0.9,
       c = c * eta[..., None, None]
     else:
       phi_new = phi
-    return low_rank.to_leaf(s, scale * low + weight * c), p_new, phi_new
+    return low_rank.to_leaf(s, scale * low + alpha_c * c), p_new, phi_new
 
   def update_fn(updates, state, params=None):
     del params

@@ -42,12 +42,12 @@ class NormGrowthLimiterState(NamedTuple):
   phi: optax.Updates
 
 
-def norm_growth_limiter(threshold: float = 1.01, *,
+def norm_growth_limiter(limiter: float = 1.01, *,
                         dims: routing.DimsSpec = None) -> optax.GradientTransformation:
   """Fira's norm-growth limiter, per matrix (stacked leaves: per slice).
 
   Args:
-    threshold: ``gamma > 0``, the largest allowed growth factor of the update
+    limiter: ``gamma > 0``, the largest allowed growth factor of the update
       norm between consecutive steps (paper: 1.01).
     dims: matrix axes of leaves with ndim >= 2 (default: the last two). Leaves
       with ndim < 2 are limited as one block.
@@ -56,7 +56,7 @@ def norm_growth_limiter(threshold: float = 1.01, *,
     An ``optax.GradientTransformation``; its update implements
     ``X <- gamma / max(||X|| / phi, gamma) * X`` (module docstring).
   """
-  validation.check_range("threshold", threshold, low=0.0, high=float("inf"), low_open=True)
+  validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True)
 
   def _views(tree):
     dims_tree = routing.resolve_dims(dims, tree)
@@ -81,7 +81,7 @@ def norm_growth_limiter(threshold: float = 1.01, *,
     views = _views(updates)
 
     def one(u, phi, view):
-      eta, new_phi = limit_growth(_norm(u, view), phi, threshold)
+      eta, new_phi = limit_growth(_norm(u, view), phi, limiter)
       if view is not None:
         eta = view.expand_batch(eta)
       return routing.cast_like(u * eta, u.dtype), new_phi

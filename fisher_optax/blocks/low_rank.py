@@ -13,7 +13,7 @@ parameter's layout and dtype; :func:`fisher_optax.compensate` does the same plus
 the complement compensation.
 
 Tracking (Alice): ``Q~_t = b3 Q~_{t-1} + (1 - b3) sigma_t sigma_t^T`` (``r x r``),
-re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``tracking=0``
+re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``b3=0``
 (Alice-0, GaLore) stores no ``r x r`` state.
 
 Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...; SPEC.md),
@@ -160,19 +160,19 @@ class LowRankTrackState(NamedTuple):
   key: Optional[jax.Array]
 
 
-def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
+def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
                    refresh: Optional[Any] = None, dims: routing.DimsSpec = None,
                    state_dtype: Optional[jnp.dtype] = None,
                    side: str = "smaller") -> "SubspaceSource":
   """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
 
-  Every step: ``sigma = U^T G``; if ``tracking > 0``:
+  Every step: ``sigma = U^T G``; if ``b3 > 0``:
   ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``. Emits :class:`Subspace` nodes.
 
   Args:
     rank: ``r >= 1``; clipped per matrix to ``min(m, n)``.
     interval: refresh period ``K >= 1``.
-    tracking: ``b3`` in [0, 1); 0 disables the ``r x r`` state (Alice-0, GaLore).
+    b3: tracking decay in [0, 1); 0 disables the ``r x r`` state (Alice-0, GaLore).
     refresh: a policy from :mod:`~fisher_optax.blocks.switching`
       (default ``switch(leading=None)``: subspace iteration, no switching).
     dims: matrix axes per leaf (default: the last two).
@@ -186,9 +186,12 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
   validation.check_int("rank", rank, low=1)
   rank = validation.static_int("rank", rank)
   validation.check_int("interval", interval, low=1)
-  validation.check_range("tracking", tracking, low=0.0, high=1.0)
+  validation.check_range("b3", b3, low=0.0, high=1.0)
   policy = refresh if refresh is not None else switching_lib.switch()
-  has_tracking = not (isinstance(tracking, (int, float)) and tracking == 0)
+  leading = getattr(policy, "leading", None)
+  if isinstance(leading, int) and leading > rank:
+    raise ValueError(f"`leading` must be an integer [0, {rank}] (at most `rank`), got {leading}")
+  has_tracking = not (isinstance(b3, (int, float)) and b3 == 0)
   sdtype = state_dtype or jnp.float32
   what = "low_rank_track"
 
@@ -238,7 +241,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
       return finish(policy.first(g1, u1.shape[-1]), u1, q1)
 
     def refresh_matrix(g1, u1, q1, k1):
-      return finish(policy.refresh(g1, u1, q1, tracking, k1), u1, q1)
+      return finish(policy.refresh(g1, u1, q1, b3, k1), u1, q1)
 
     # Same-shape matrices (e.g. every layer's q_proj) are stacked so that one
     # decomposition call (linalg.map_matrices) serves them, and one lax.switch
@@ -279,7 +282,7 @@ def low_rank_track(*, rank: int, interval: int = 200, tracking: float = 0.0,
       sigma = jnp.swapaxes(u, -1, -2) @ gc
       if q is not None:
         q = q.reshape(view.batch_shape + q.shape[-2:])
-        q = tracking * q + (1 - tracking) * (sigma @ jnp.swapaxes(sigma, -1, -2))
+        q = b3 * q + (1 - b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
         new_q.append(q.astype(sdtype))
       new_u.append(u.astype(sdtype))
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
