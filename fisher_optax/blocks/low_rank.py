@@ -37,7 +37,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fisher_optax import linalg, routing, validation
@@ -243,31 +242,15 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
     def refresh_matrix(g1, u1, q1, k1):
       return finish(policy.refresh(g1, u1, q1, b3, k1), u1, q1)
 
-    # Same-shape matrices (e.g. every layer's q_proj) are stacked so that one
-    # decomposition call (linalg.map_matrices) serves them, and one lax.switch
-    # (keep / first refresh / refresh) holds every refresh of the tree. Stacking happens
-    # inside the refresh branches, so an ordinary step copies nothing.
-    groups: dict = {}
-    for i, (gc, u1) in enumerate(zip(gcs, flat_u)):
-      groups.setdefault((gc.shape[-2:], u1.shape[-1]), []).append(i)
-    groups = list(groups.values())
-
+    # Same-shape matrices (e.g. every layer's q_proj) share one decomposition call
+    # (linalg.map_grouped), and one lax.switch (keep / first refresh / refresh) holds
+    # every refresh of the tree. Stacking happens inside the refresh branches, so an
+    # ordinary step copies nothing.
     def branch(fn):
       def run(ops):
-        g_l, u_l, q_l, k_l = ops
-        new_u_l, new_q_l = list(u_l), list(q_l)
-        for idx in groups:
-          cat = lambda xs: None if xs[0] is None else jnp.concatenate(xs, axis=0)
-          u_all, q_all = linalg.map_matrices(
-              fn, cat([g_l[i].reshape(-1, *g_l[i].shape[-2:]) for i in idx]),
-              cat([u_l[i] for i in idx]), cat([q_l[i] for i in idx]),
-              cat([k_l[i] for i in idx]))
-          offsets = np.cumsum([0] + [u_l[i].shape[0] for i in idx])
-          for j, i in enumerate(idx):
-            new_u_l[i] = u_all[offsets[j]:offsets[j + 1]]
-            if q_all is not None:
-              new_q_l[i] = q_all[offsets[j]:offsets[j + 1]]
-        return new_u_l, new_q_l
+        outs = linalg.map_grouped(fn, [(g.reshape((-1,) + g.shape[-2:]), u, q, k)
+                                       for g, u, q, k in zip(*ops)])
+        return [o[0] for o in outs], [o[1] for o in outs]
       return run
 
     which = jnp.where(do_refresh, jnp.where(is_first, 1, 2), 0)

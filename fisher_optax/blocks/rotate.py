@@ -185,24 +185,16 @@ def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
   :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
   (across leaves, stack entries and sides) are concatenated so that one decomposition
   call (:func:`fisher_optax.linalg.map_matrices`) serves them."""
-  groups: dict = {}
-  for i in range(len(stats["l"])):
-    for side in ("l", "r"):
-      if stats[side][i] is not None:
-        groups.setdefault(stats[side][i].shape[-1], []).append((i, side))
+  members = [(i, side) for i in range(len(stats["l"])) for side in ("l", "r")
+             if stats[side][i] is not None]
+  flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
+  outs = linalg.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
+                            [(flat(stats[side][i]), flat(bases[side][i]))
+                             for i, side in members])
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
-  for d, members in groups.items():
-    outs = linalg.map_matrices(
-        lambda st, b: side_refresh(st, b, use_eigh),
-        jnp.concatenate([stats[side][i].reshape(-1, d, d) for i, side in members]),
-        jnp.concatenate([bases[side][i].reshape(-1, d, d) for i, side in members]))
-    start = 0
-    for i, side in members:
-      batch = stats[side][i].shape[:-2]
-      size = int(np.prod(batch, dtype=int))
-      res[side][i] = SideRefresh(*(o[start:start + size].reshape(batch + o.shape[1:])
-                                   for o in outs))
-      start += size
+  for (i, side), out in zip(members, outs):
+    batch = stats[side][i].shape[:-2]
+    res[side][i] = jax.tree.map(lambda o, b=batch: o.reshape(b + o.shape[1:]), out)
   return res
 
 
