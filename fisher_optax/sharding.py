@@ -8,9 +8,11 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
 * its leading axes are the parameter's batch axes (stacked layers) and keep their specs;
 * each remaining axis takes the spec of the parameter's matrix axis of the same size
   (moments ``r x n`` are split where the parameter's ``n`` axis is, scaling vectors
-  likewise, Adam moments exactly like the parameter); ``d x d`` rotation statistics and
-  bases are split on their first axis only; tracked ``r x r`` states, eigenvalues and
-  every leaf not attributable to a parameter (step counters, PRNG keys) are replicated;
+  likewise, Adam moments exactly like the parameter); fields whose state NamedTuple
+  declares a role in its ``SHARDING`` class attribute follow it, not their name: ``d x d``
+  rotation statistics and bases (``left_square``/``right_square``) are split on their first
+  axis only, tracked ``r x r`` states, eigenvalues and PRNG keys (``replicated``) are
+  replicated, as is every leaf not attributable to a parameter (step counters);
 * a mesh axis is used at most once per spec, and only where the size divides (when a
   ``mesh`` is given).
 
@@ -27,17 +29,43 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fisher_optax import routing
 
-# Small per-matrix arrays kept replicated: tracked r x r states, eigenvalues, PRNG keys.
-REPLICATED_FIELDS = {"tracked", "eig_left", "eig_right", "key"}
-# d x d rotation statistics and bases: first axis split like the matching parameter axis.
-LEFT_SQUARE = {"stats_left", "basis_left"}
-RIGHT_SQUARE = {"stats_right", "basis_right"}
-# 1-D per-matrix vectors: which matrix axis they run along when a square param is ambiguous.
-ROW_VECTORS = {"q"}
+# Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
+# attribute ({field: role}); undeclared fields are "auto" (matched by size).
+ROLES = ("replicated",    # small per-matrix arrays: tracked r x r states, eigenvalues, keys
+         "left_square",   # d x d statistics/bases of the rows side: first axis like the rows
+         "right_square",  # ... of the columns side: first axis like the columns
+         "rows",          # 1-D per-matrix vectors along the rows (decides square params)
+         "auto")
 
 
-def _key_name(k) -> Optional[str]:
-  return getattr(k, "name", None)
+def _declares(x) -> bool:
+  return hasattr(x, "_fields") and isinstance(getattr(type(x), "SHARDING", None), dict)
+
+
+def field_roles(state: Any) -> dict:
+  """``keystr(path) -> role`` for every state leaf under a declared field (nested states
+  included); leaves not listed are "auto"."""
+  out: dict = {}
+
+  def walk(tree, prefix):
+    nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_declares)[0]
+    for path, node in nodes:
+      if not _declares(node):
+        continue
+      decl = type(node).SHARDING
+      for name in node._fields:
+        where = prefix + tuple(path) + (jax.tree_util.GetAttrKey(name),)
+        if name in decl:
+          if decl[name] not in ROLES:
+            raise ValueError(f"{type(node).__name__}.SHARDING[{name!r}] = {decl[name]!r}: "
+                             f"not one of {ROLES}")
+          for sub, _ in jax.tree_util.tree_flatten_with_path(getattr(node, name))[0]:
+            out[jax.tree_util.keystr(where + tuple(sub))] = decl[name]
+        else:
+          walk(getattr(node, name), where)
+
+  walk(state, ())
+  return out
 
 
 def _spec_entries(spec: Optional[P], ndim: int) -> list:
@@ -55,8 +83,8 @@ def _axis_size(mesh: Optional[Mesh], entry) -> int:
   return size
 
 
-def _leaf_spec(shape, field, pshape, pspec, dims, mesh) -> P:
-  if field in REPLICATED_FIELDS:
+def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
+  if role == "replicated":
     return P()
   pent = _spec_entries(pspec, len(pshape))
   if tuple(shape) == tuple(pshape):
@@ -75,20 +103,20 @@ def _leaf_spec(shape, field, pshape, pspec, dims, mesh) -> P:
     # like their first axis, which a row-major reshape keeps contiguous)
     rows = (view.fan_in, pent[view.rows[0]])
     cols = (view.fan_out, pent[view.cols[0]])
-    sides = [rows] if field in ROW_VECTORS else [rows, cols]
+    sides = [rows] if role == "rows" else [rows, cols]
     for pos, d in enumerate(trailing):
-      if field in LEFT_SQUARE | RIGHT_SQUARE:
+      if role in ("left_square", "right_square"):
         if pos:
           entries.append(None)
           continue
         cands = [sd for sd in sides if sd[0] == d]
         if len(cands) > 1:
-          cands = [rows if field in LEFT_SQUARE else cols]
+          cands = [rows if role == "left_square" else cols]
         entries.append(cands[0][1] if cands else None)
         continue
       cands = [sd for sd in sides if sd[0] == d]
       if len(cands) > 1:  # square parameter: positional (rows first) unless a vector
-        cands = [cands[pos if len(trailing) == 2 else (-1 if field not in ROW_VECTORS else 0)]]
+        cands = [cands[pos if len(trailing) == 2 else (-1 if role != "rows" else 0)]]
       entries.append(cands[0][1] if cands else None)
   used, out = set(), []
   for d, e in zip(shape, entries):
@@ -126,15 +154,16 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: routing.Di
              for (path, leaf), spec, d in zip(p_leaves, s_leaves, d_leaves)}
   max_len = max((len(k) for k in by_path), default=0)
 
+  roles = field_roles(state_shapes)
+
   def spec_for(path, leaf):
     path = tuple(path)
     for n in range(min(max_len, len(path)), 0, -1):
       hit = by_path.get(path[-n:])
       if hit is not None:
-        names = [_key_name(k) for k in path[:-n] if _key_name(k)]
-        field = names[-1] if names else None
         pshape, pspec, d = hit
-        return _leaf_spec(leaf.shape, field, pshape, pspec, d, mesh)
+        role = roles.get(jax.tree_util.keystr(path), "auto")
+        return _leaf_spec(leaf.shape, role, pshape, pspec, d, mesh)
     return P()
 
   return jax.tree_util.tree_map_with_path(spec_for, state_shapes)

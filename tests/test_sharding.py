@@ -7,6 +7,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,48 @@ def test_state_specs_use_the_optimizers_own_dims():
         if "structured" in jax.tree_util.keystr(path)][0]
   assert optax.tree_utils.tree_get(got, "basis")["conv"] == P("tensor")
   assert mu["conv"] == P() and optax.tree_utils.tree_get(got, "p")["conv"] == P()
+
+
+class _Undeclared(NamedTuple):
+  tracked: Any       # named like low_rank_track's field, but declares nothing
+  stats_left: Any
+
+
+class _Declared(NamedTuple):
+  anything: Any
+  SHARDING = {"anything": "replicated"}
+
+
+def _block(state_cls, shape_of):
+  def init(params):
+    return state_cls(*(jax.tree.map(lambda p: jnp.zeros(shape_of(p.shape, f)), params)
+                       for f in state_cls._fields))
+  return optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+
+
+def test_state_layouts_follow_declared_roles_not_field_names():
+  """sharding.py reads each state NamedTuple's ``SHARDING`` declaration: a field named
+  like a replicated one but undeclared is matched by size (``tracked`` ``m x n`` is split
+  like the parameter), and a declared field is replicated whatever its name."""
+  params = {"w": jnp.zeros(PARAMS["w"])}
+  specs = {"w": SPECS["w"]}
+  undeclared = fo.state_partition_specs(_block(_Undeclared, lambda s, f: s), params, specs,
+                                        mesh=_mesh())
+  assert undeclared.tracked["w"] == SPECS["w"] and undeclared.stats_left["w"] == SPECS["w"]
+  declared = fo.state_partition_specs(_block(_Declared, lambda s, f: s), params, specs,
+                                      mesh=_mesh())
+  assert declared.anything["w"] == P()
+  # the library's own declarations, nested inside chains and on_coefficients
+  tx = fo.alice_soap(0.01, rank=4, leading=2)
+  got = fo.state_partition_specs(tx, params, specs, mesh=_mesh())
+  tracked = optax.tree_utils.tree_get_all_with_path(got, "tracked")
+  assert len(tracked) == 2 and all(v["w"] == P() for _, v in tracked)
+
+
+def test_an_unknown_declared_role_is_an_error():
+  class Bad(NamedTuple):
+    x: Any
+    SHARDING = {"x": "diagonal"}
+  with pytest.raises(ValueError, match="diagonal"):
+    fo.state_partition_specs(_block(Bad, lambda s, f: s), {"w": jnp.zeros((4, 8))},
+                             {"w": P()})

@@ -157,6 +157,7 @@ class LowRankTrackState(NamedTuple):
   basis: optax.Updates
   tracked: Optional[optax.Updates]
   key: Optional[jax.Array]
+  SHARDING = {"tracked": "replicated", "key": "replicated"}  # sharding.py roles
 
 
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,

@@ -74,6 +74,9 @@ class RotateState(NamedTuple):
   eig_left: optax.Updates
   eig_right: optax.Updates
   inner_state: optax.OptState
+  SHARDING = {"stats_left": "left_square", "basis_left": "left_square",  # sharding.py roles
+              "stats_right": "right_square", "basis_right": "right_square",
+              "eig_left": "replicated", "eig_right": "replicated"}
 
 
 def _active(view: routing.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:

@@ -49,6 +49,7 @@ class ScaleByTwoSidedState(NamedTuple):
   """``s``: column scales ``batch + (n,)``; ``q``: row scales ``batch + (m,)`` (float32)."""
   s: optax.Updates
   q: optax.Updates
+  SHARDING = {"q": "rows"}  # sharding.py roles
 
 
 def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Array]:
