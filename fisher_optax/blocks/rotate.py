@@ -49,11 +49,11 @@ State of ``inner`` on a basis change (explicit, by field name):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax import tree_utils as otu
 
@@ -256,125 +256,165 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   validation.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
   validation.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
   validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
-  max_dim = validation.static_int("max_precond_dim", max_precond_dim)
-  smaller = sides == "smaller"
-  what = "rotate"
+  cfg = _Rotation(inner=inner, sides=sides, interval=interval, b3=b3, statistics=statistics,
+                  refresh=refresh, reexpress=tuple(reexpress), permute=tuple(permute),
+                  eigenvalue_power=eigenvalue_power, stats_eps=stats_eps,
+                  max_dim=validation.static_int("max_precond_dim", max_precond_dim),
+                  dims=dims)
+  return optax.GradientTransformation(cfg.init, cfg.update)
 
-  def _views(tree):
-    return routing.views_like(tree, dims, smaller_first=smaller, what=what)
 
-  def init_fn(params):
-    views = _views(params)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rotation:
+  """The static settings of one :func:`rotate` and its ``init`` / ``update``."""
 
-    def side_arrays(v, side, kind):
-      d = v.m if side == "left" else v.n
-      if not _active(v, sides, max_dim)[0 if side == "left" else 1]:
-        return None
-      if kind == "stats":
-        return jnp.broadcast_to(stats_eps * jnp.eye(d, dtype=jnp.float32), v.batch_shape + (d, d))
-      if kind == "basis":
-        return jnp.zeros(v.batch_shape + (d, d), jnp.float32)
-      if eigenvalue_power is None:
-        return None
-      return jnp.ones(v.batch_shape + (d,), jnp.float32)
+  inner: optax.GradientTransformation
+  sides: str
+  interval: Any
+  b3: Any
+  statistics: str
+  refresh: str
+  reexpress: tuple
+  permute: tuple
+  eigenvalue_power: Optional[float]
+  stats_eps: float
+  max_dim: Optional[int]
+  dims: routing.DimsSpec
 
-    mk = lambda side, kind: jax.tree.map(lambda p, v: side_arrays(v, side, kind), params, views)
+  def views(self, tree):
+    return routing.views_like(tree, self.dims, smaller_first=self.sides == "smaller",
+                              what="rotate")
+
+  def side_arrays(self, v: routing.MatrixView, side: str, kind: str):
+    """Initial statistics (``stats_eps I``), basis (zeros) or eigenvalues (ones) of one
+    side of one leaf; ``None`` for a disabled side (or eigenvalues Shampoo alone uses)."""
+    d = v.m if side == "left" else v.n
+    if not _active(v, self.sides, self.max_dim)[0 if side == "left" else 1]:
+      return None
+    if kind == "stats":
+      return jnp.broadcast_to(self.stats_eps * jnp.eye(d, dtype=jnp.float32),
+                              v.batch_shape + (d, d))
+    if kind == "basis":
+      return jnp.zeros(v.batch_shape + (d, d), jnp.float32)
+    if self.eigenvalue_power is None:
+      return None
+    return jnp.ones(v.batch_shape + (d,), jnp.float32)
+
+  def init(self, params):
+    views = self.views(params)
+    mk = lambda side, kind: jax.tree.map(  # noqa: E731
+        lambda p, v: self.side_arrays(v, side, kind), params, views)
     coeff_like = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32),
                               params, views)
-    inner_state = inner.init(coeff_like)
-    _check_fields(inner_state, reexpress, "reexpress")
-    _check_fields(inner_state, permute, "permute")
+    inner_state = self.inner.init(coeff_like)
+    _check_fields(inner_state, self.reexpress, "reexpress")
+    _check_fields(inner_state, self.permute, "permute")
     return RotateState(count=jnp.zeros([], jnp.int32),
                        stats_left=mk("left", "stats"), stats_right=mk("right", "stats"),
                        basis_left=mk("left", "basis"), basis_right=mk("right", "basis"),
                        eig_left=mk("left", "eig"), eig_right=mk("right", "eig"),
                        inner_state=inner_state)
 
-  def update_fn(updates, state, params=None):
+  def update(self, updates, state, params=None):
     del params
-    views = _views(updates)
-    leaves, treedef = jax.tree.flatten(updates)
-    flat, un = treedef.flatten_up_to, treedef.unflatten
-    v_leaves = flat(views)
-    nbs = [len(v.batch_shape) for v in v_leaves]
-    gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
-    per_leaf = lambda fn, *cols: [routing.vmap_batch(fn, nb)(*xs) for nb, *xs in zip(nbs, *cols)]
-
-    def stats_all(st):
-      return {"l": per_leaf(lambda s, g: stats_update(s, g, "left", b3), st["l"], gcs),
-              "r": per_leaf(lambda s, g: stats_update(s, g, "right", b3), st["r"], gcs)}
-
-    def refreshed(use_eigh, ops):
-      """New bases (+ eigenvalues) and the inner state moved to them."""
-      st, bases, eigs, inner_state = ops
-      res = _refresh_sides(st, bases, use_eigh)
-      new_bases = {k: [o if r is None else r.basis for o, r in zip(bases[k], res[k])]
-                   for k in "lr"}
-      new_eigs = eigs
-      if eigenvalue_power is not None:
-        new_eigs = {k: [o if r is None else jnp.where(r.ok[..., None], r.eigenvalues, o)
-                        for o, r in zip(eigs[k], res[k])] for k in "lr"}
-      get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]
-      for name in reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
-        new = per_leaf(lambda x, a, b: rotate_in(x, None if a is None else a.T,
-                                                 None if b is None else b.T).astype(x.dtype),
-                       _field_leaves(inner_state, name, treedef), get("l", "change"),
-                       get("r", "change"))
-        inner_state = otu.tree_set(inner_state, **{name: un(new)})
-      for name in (permute if not use_eigh else ()):
-        new = per_leaf(_permute, _field_leaves(inner_state, name, treedef), get("l", "order"),
-                       get("r", "order"))
-        inner_state = otu.tree_set(inner_state, **{name: un(new)})
-      return new_bases, new_eigs, inner_state
-
-    def refresh_all(st, bases, eigs, inner_state, first, do_refresh):
-      """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
-      ordinary steps do no basis arithmetic."""
-      branches = [lambda ops: ops[1:], lambda ops: refreshed(True, ops)]
-      which = jnp.where(do_refresh, 1, 0)
-      if refresh == "power_qr":
-        branches.append(lambda ops: refreshed(False, ops))
-        which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
-      return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
-
-    def rotated_update(bases, eigs, inner_state):
-      gr = per_leaf(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb,
-                                                      eigenvalue_power, stats_eps),
-                    gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
-      out_r, inner_state = inner.update(un(gr), inner_state, None)
-      out = per_leaf(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b), flat(out_r),
-                     bases["l"], bases["r"])
-      return out, inner_state
-
+    lv = _Leaves(updates, self.views(updates))
     c = state.count
-    st = {"l": flat(state.stats_left), "r": flat(state.stats_right)}
-    bases = {"l": flat(state.basis_left), "r": flat(state.basis_right)}
-    eigs = {"l": flat(state.eig_left), "r": flat(state.eig_right)}
+    st = {"l": lv.flat(state.stats_left), "r": lv.flat(state.stats_right)}
+    bases = {"l": lv.flat(state.basis_left), "r": lv.flat(state.basis_right)}
+    eigs = {"l": lv.flat(state.eig_left), "r": lv.flat(state.eig_right)}
     inner_state = state.inner_state
-    if statistics == "before":
-      st = stats_all(st)
-      bases, eigs, inner_state = refresh_all(st, bases, eigs, inner_state, c == 0,
-                                             (c % interval) == 0)
-      out, inner_state = rotated_update(bases, eigs, inner_state)
+    if self.statistics == "before":
+      st = self.stats_all(lv, st)
+      bases, eigs, inner_state = self.refresh_all(lv, st, bases, eigs, inner_state, c == 0,
+                                                  (c % self.interval) == 0)
+      out, inner_state = self.rotated_update(lv, bases, eigs, inner_state)
     else:  # SOAP: step 1 only initialises; later: update, then statistics and refresh
       def first_step():
-        st2 = stats_all(st)
-        return ([jnp.zeros_like(gc) for gc in gcs], st2,
-                *refresh_all(st2, bases, eigs, inner_state, jnp.bool_(True), jnp.bool_(True)))
+        st2 = self.stats_all(lv, st)
+        return ([jnp.zeros_like(gc) for gc in lv.gcs], st2,
+                *self.refresh_all(lv, st2, bases, eigs, inner_state, jnp.bool_(True),
+                                  jnp.bool_(True)))
 
       def later_step():
-        out, ist = rotated_update(bases, eigs, inner_state)
-        st2 = stats_all(st)
-        return (out, st2,
-                *refresh_all(st2, bases, eigs, ist, jnp.bool_(False), (c % interval) == 0))
+        out, ist = self.rotated_update(lv, bases, eigs, inner_state)
+        st2 = self.stats_all(lv, st)
+        return (out, st2, *self.refresh_all(lv, st2, bases, eigs, ist, jnp.bool_(False),
+                                            (c % self.interval) == 0))
 
       out, st, bases, eigs, inner_state = jax.lax.cond(c == 0, first_step, later_step)
-
-    dense = [routing.cast_like(v.from_canonical(o), g.dtype)
-             for o, v, g in zip(out, v_leaves, leaves)]
-    return un(dense), RotateState(
+    un = lv.un
+    return lv.to_leaves(out), RotateState(
         count=optax.safe_int32_increment(c), stats_left=un(st["l"]), stats_right=un(st["r"]),
         basis_left=un(bases["l"]), basis_right=un(bases["r"]), eig_left=un(eigs["l"]),
         eig_right=un(eigs["r"]), inner_state=inner_state)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  def stats_all(self, lv, st):
+    return {"l": lv.per_leaf(lambda s, g: stats_update(s, g, "left", self.b3), st["l"], lv.gcs),
+            "r": lv.per_leaf(lambda s, g: stats_update(s, g, "right", self.b3), st["r"],
+                             lv.gcs)}
+
+  def refresh_all(self, lv, st, bases, eigs, inner_state, first, do_refresh):
+    """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
+    ordinary steps do no basis arithmetic."""
+    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lv, True, ops)]
+    which = jnp.where(do_refresh, 1, 0)
+    if self.refresh == "power_qr":
+      branches.append(lambda ops: self.refreshed(lv, False, ops))
+      which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
+    return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
+
+  def refreshed(self, lv, use_eigh, ops):
+    """New bases (+ eigenvalues) and the inner state moved to them."""
+    st, bases, eigs, inner_state = ops
+    res = _refresh_sides(st, bases, use_eigh)
+    new_bases = {k: [o if r is None else r.basis for o, r in zip(bases[k], res[k])]
+                 for k in "lr"}
+    new_eigs = eigs
+    if self.eigenvalue_power is not None:
+      new_eigs = {k: [o if r is None else jnp.where(r.ok[..., None], r.eigenvalues, o)
+                      for o, r in zip(eigs[k], res[k])] for k in "lr"}
+    get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]  # noqa: E731
+    for name in self.reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
+      new = lv.per_leaf(lambda x, a, b: rotate_in(x, None if a is None else a.T,
+                                                  None if b is None else b.T).astype(x.dtype),
+                        _field_leaves(inner_state, name, lv.treedef), get("l", "change"),
+                        get("r", "change"))
+      inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
+    for name in (self.permute if not use_eigh else ()):
+      new = lv.per_leaf(_permute, _field_leaves(inner_state, name, lv.treedef),
+                        get("l", "order"), get("r", "order"))
+      inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
+    return new_bases, new_eigs, inner_state
+
+  def rotated_update(self, lv, bases, eigs, inner_state):
+    power, eps = self.eigenvalue_power, self.stats_eps
+    gr = lv.per_leaf(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
+                     lv.gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
+    out_r, inner_state = self.inner.update(lv.un(gr), inner_state, None)
+    out = lv.per_leaf(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
+                      lv.flat(out_r), bases["l"], bases["r"])
+    return out, inner_state
+
+
+class _Leaves:
+  """One update's leaves: their views, canonical float32 gradients, and the helpers that
+  map per-matrix functions over them (vmapped over each leaf's batch axes)."""
+
+  def __init__(self, updates, views):
+    self.leaves, self.treedef = jax.tree.flatten(updates)
+    self.views = self.treedef.flatten_up_to(views)
+    self.nbs = [len(v.batch_shape) for v in self.views]
+    self.gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(self.leaves, self.views)]
+
+  def flat(self, tree):
+    return self.treedef.flatten_up_to(tree)
+
+  def un(self, leaves):
+    return self.treedef.unflatten(leaves)
+
+  def per_leaf(self, fn, *cols):
+    return [routing.vmap_batch(fn, nb)(*xs) for nb, *xs in zip(self.nbs, *cols)]
+
+  def to_leaves(self, canonical):
+    return self.un([routing.cast_like(v.from_canonical(o), g.dtype)
+                    for o, v, g in zip(canonical, self.views, self.leaves)])
