@@ -33,6 +33,7 @@ applies it as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) G (G^T U)``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -191,62 +192,77 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
   leading = getattr(policy, "leading", None)
   if isinstance(leading, int) and leading > rank:
     raise ValueError(f"`leading` must be an integer [0, {rank}] (at most `rank`), got {leading}")
-  has_tracking = not (isinstance(b3, (int, float)) and b3 == 0)
-  sdtype = state_dtype or jnp.float32
-  what = "low_rank_track"
+  tracker = _Tracker(rank=rank, interval=interval, b3=b3, policy=policy, dims=dims,
+                     side=side, sdtype=state_dtype or jnp.float32,
+                     has_tracking=not (isinstance(b3, (int, float)) and b3 == 0))
+  return subspace_source(tracker.init, tracker.update, rank=rank, dims=dims, side=side)
 
-  def init_fn(params):
-    views = side_views(params, dims, what, side)
-    basis = jax.tree.map(
-        lambda p, v: jnp.zeros(v.batch_shape + (v.m, clipped_rank(rank, v)), sdtype), params, views)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Tracker:
+  """The static settings of one :func:`low_rank_track` and its ``init`` / ``update``."""
+
+  rank: int
+  interval: Any
+  b3: Any
+  policy: Any
+  dims: routing.DimsSpec
+  side: str
+  sdtype: Any
+  has_tracking: bool
+
+  def views(self, tree):
+    return side_views(tree, self.dims, "low_rank_track", self.side)
+
+  def init(self, params):
+    views, r = self.views(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
+    basis = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype),
+                         params, views)
     tracked = None
-    if has_tracking:
-      tracked = jax.tree.map(
-          lambda p, v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v),) * 2, sdtype),
-          params, views)
-    key = jax.random.PRNGKey(policy.seed) if policy.random else None
+    if self.has_tracking:
+      tracked = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype),
+                             params, views)
+    key = jax.random.PRNGKey(self.policy.seed) if self.policy.random else None
     return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked, key=key)
 
-  def update_fn(updates, state, params=None):
+  def update(self, updates, state, params=None):
     del params
-    views = side_views(updates, dims, what, side)
-    count = state.count
-    do_refresh = (count % interval) == 0
-    is_first = count == 0
     leaves, treedef = jax.tree.flatten(updates)
+    v_leaves = treedef.flatten_up_to(self.views(updates))
     u_leaves = treedef.flatten_up_to(state.basis)
-    q_leaves = treedef.flatten_up_to(state.tracked) if has_tracking else [None] * len(leaves)
-    v_leaves = treedef.flatten_up_to(views)
+    q_leaves = (treedef.flatten_up_to(state.tracked) if self.has_tracking
+                else [None] * len(leaves))
+    gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
+    new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
+    out, new_u, new_q = [], [], []
+    for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
+                                        new_flat_q):
+      u = u.reshape(u_old.shape)
+      sigma = jnp.swapaxes(u, -1, -2) @ gc
+      if q is not None:  # paper Eq. "tracking step"
+        q = q.reshape(view.batch_shape + q.shape[-2:])
+        q = self.b3 * q + (1 - self.b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
+        new_q.append(q.astype(self.sdtype))
+      new_u.append(u.astype(self.sdtype))
+      out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
+    return treedef.unflatten(out), LowRankTrackState(
+        count=optax.safe_int32_increment(state.count), basis=treedef.unflatten(new_u),
+        tracked=treedef.unflatten(new_q) if self.has_tracking else None, key=state.key)
 
-    # Canonical float32 arrays per leaf, flattened to [matrices, ...].
-    gcs, flat_u, flat_q, flat_k = [], [], [], []
-    for i, (g, u_old, q_old, view) in enumerate(zip(leaves, u_leaves, q_leaves, v_leaves)):
-      gc = view.to_canonical(g).astype(jnp.float32)
-      gcs.append(gc)
-      m, n, r = gc.shape[-2], gc.shape[-1], u_old.shape[-1]
+  def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
+    """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
+    ``[matrices, ...]`` arrays. Same-shape matrices (e.g. every layer's q_proj) share one
+    decomposition call (linalg.map_grouped), and one lax.switch (keep / first refresh /
+    refresh) holds every refresh of the tree; stacking happens inside the refresh
+    branches, so an ordinary step copies nothing."""
+    count, flat_u, flat_q, flat_k = state.count, [], [], []
+    for i, (gc, u_old, q_old, view) in enumerate(zip(gcs, u_leaves, q_leaves, v_leaves)):
+      m, r = gc.shape[-2], u_old.shape[-1]
       flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
       flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
       flat_k.append(switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
-                    .reshape(-1, *state.key.shape) if policy.random else None)
+                    .reshape(-1, *state.key.shape) if self.policy.random else None)
 
-    def finish(u_new, u1, q1):
-      u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
-      if q1 is None:
-        return u_new, None
-      rot = u_new.T @ u1
-      return u_new, rot @ q1 @ rot.T
-
-    def first_matrix(g1, u1, q1, k1):
-      del k1
-      return finish(policy.first(g1, u1.shape[-1]), u1, q1)
-
-    def refresh_matrix(g1, u1, q1, k1):
-      return finish(policy.refresh(g1, u1, q1, b3, k1), u1, q1)
-
-    # Same-shape matrices (e.g. every layer's q_proj) share one decomposition call
-    # (linalg.map_grouped), and one lax.switch (keep / first refresh / refresh) holds
-    # every refresh of the tree. Stacking happens inside the refresh branches, so an
-    # ordinary step copies nothing.
     def branch(fn):
       def run(ops):
         outs = linalg.map_grouped(fn, [(g.reshape((-1,) + g.shape[-2:]), u, q, k)
@@ -254,31 +270,29 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
         return [o[0] for o in outs], [o[1] for o in outs]
       return run
 
-    which = jnp.where(do_refresh, jnp.where(is_first, 1, 2), 0)
-    new_flat_u, new_flat_q = jax.lax.switch(
-        which, [lambda ops: (ops[1], ops[2]), branch(first_matrix), branch(refresh_matrix)],
-        (gcs, flat_u, flat_q, flat_k))
+    which = jnp.where((count % self.interval) == 0, jnp.where(count == 0, 1, 2), 0)
+    return jax.lax.switch(
+        which, [lambda ops: (ops[1], ops[2]), branch(self.first_matrix),
+                branch(self.refresh_matrix)], (gcs, flat_u, flat_q, flat_k))
 
-    out, new_u, new_q = [], [], []
-    for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
-                                        new_flat_q):
-      u = u.reshape(u_old.shape)
-      sigma = jnp.swapaxes(u, -1, -2) @ gc
-      if q is not None:
-        q = q.reshape(view.batch_shape + q.shape[-2:])
-        q = b3 * q + (1 - b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
-        new_q.append(q.astype(sdtype))
-      new_u.append(u.astype(sdtype))
-      out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
+  def first_matrix(self, g1, u1, q1, k1):
+    del k1
+    return _keep_finite(self.policy.first(g1, u1.shape[-1]), u1, q1)
 
-    new_state = LowRankTrackState(
-        count=optax.safe_int32_increment(count),
-        basis=treedef.unflatten(new_u),
-        tracked=treedef.unflatten(new_q) if has_tracking else None,
-        key=state.key)
-    return treedef.unflatten(out), new_state
+  def refresh_matrix(self, g1, u1, q1, k1):
+    return _keep_finite(self.policy.refresh(g1, u1, q1, self.b3, k1), u1, q1)
 
-  return subspace_source(init_fn, update_fn, rank=rank, dims=dims, side=side)
+
+def _keep_finite(u_new, u1, q1):
+  """A non-finite new basis keeps the old one; ``Q~ <- U^T (U_old Q~ U_old^T) U``."""
+  u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
+  if q1 is None:
+    return u_new, None
+  rot = u_new.T @ u1
+  return u_new, rot @ q1 @ rot.T
+
+
+
 
 
 class OnCoefficientsState(NamedTuple):
