@@ -30,6 +30,7 @@ State per matrix: ``p`` (``n``, optimal only) and the limiter's ``phi`` (1).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -88,39 +89,46 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
     phi = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape, jnp.float32), params, views)
     return CompensateState(p=p, phi=phi)
 
-  def one(s, p, phi):
-    g, u, sigma, coeffs = s.grad, s.basis, s.sigma, s.coeffs
-    m, r = u.shape[-2], u.shape[-1]
-    low = low_rank.dense_low_rank(s)
-    if method == "optimal":
-      resid = g - u @ sigma
-      # a column whose residual is at rounding level (its true value is 0, e.g. G's column
-      # lies in span(U)) is exactly 0: rounding noise scaled by its own tiny p would be a
-      # unit-size update in a random direction
-      rsq = jnp.sum(jnp.square(resid), axis=-2)
-      real = rsq > RESIDUAL_FLOOR * jnp.sum(jnp.square(g), axis=-2)
-      resid = jnp.where(real[..., None, :], resid, 0.0)
-      p_new = b1 * p + (1 - b1) * jnp.where(real, rsq, 0.0)
-      p_new = jnp.where(jnp.isfinite(p_new), p_new, p)
-      c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
-    else:
-      p_new = None
-      c = (g - scale * (u @ sigma)) * random_projection.norm_ratio(coeffs, sigma, "channel")
-    c = jnp.where(jnp.isfinite(c), c, 0.0)
-    if limiter is not None:
-      norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
-      eta, phi_new = limiter_lib.limit_growth(norm, phi, limiter)
-      c = c * eta[..., None, None]
-    else:
-      phi_new = phi
-    return low_rank.to_leaf(s, scale * low + alpha_c * c), p_new, phi_new
-
   def update_fn(updates, state, params=None):
     del params
     p_tree = state.p if method == "optimal" else jax.tree.map(lambda _: None, state.phi)
+    one = functools.partial(_compensate_one, method=method, alpha_c=alpha_c, b1=b1,
+                            limiter=limiter, scale=scale)
     res = jax.tree.map(one, updates, p_tree, state.phi, is_leaf=low_rank.is_subspace)
     pick = lambda i: jax.tree.map(lambda _, r: r[i], state.phi, res)
     p = pick(1) if method == "optimal" else None
     return pick(0), CompensateState(p=p, phi=pick(2))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _optimal_residual(g, u, sigma, p, b1):
+  """The residual ``G - U sigma`` and the new ``p`` of the optimal method. A
+  column whose residual is at rounding level (its true value is 0, e.g. G's column lies in
+  span(U)) is exactly 0: rounding noise scaled by its own tiny ``p`` would be a unit-size
+  update in a random direction."""
+  resid = g - u @ sigma
+  rsq = jnp.sum(jnp.square(resid), axis=-2)
+  real = rsq > RESIDUAL_FLOOR * jnp.sum(jnp.square(g), axis=-2)
+  resid = jnp.where(real[..., None, :], resid, 0.0)
+  p_new = b1 * p + (1 - b1) * jnp.where(real, rsq, 0.0)
+  p_new = jnp.where(jnp.isfinite(p_new), p_new, p)
+  return resid, p_new
+
+
+def _compensate_one(s, p, phi, *, method, alpha_c, b1, limiter, scale):
+  """One :class:`~fisher_optax.blocks.low_rank.Subspace` -> (dense update, ``p``, ``phi``)."""
+  g, u, sigma, coeffs = s.grad, s.basis, s.sigma, s.coeffs
+  m, r = u.shape[-2], u.shape[-1]
+  if method == "optimal":
+    resid, p_new = _optimal_residual(g, u, sigma, p, b1)
+    c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
+  else:
+    p_new = None
+    c = (g - scale * (u @ sigma)) * random_projection.norm_ratio(coeffs, sigma, "channel")
+  c = jnp.where(jnp.isfinite(c), c, 0.0)
+  if limiter is not None:
+    norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
+    eta, phi = limiter_lib.limit_growth(norm, phi, limiter)
+    c = c * eta[..., None, None]
+  return low_rank.to_leaf(s, scale * low_rank.dense_low_rank(s) + alpha_c * c), p_new, phi
