@@ -281,7 +281,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
     \sigma = U^\top G,\quad \tau = V^\top \sigma^\top,\quad
     \omega = \frac{M}{\sqrt{N} + \epsilon},\quad
-    W \leftarrow W - \eta_t\, \alpha \big(U (V \omega + \alpha_c C_R)^\top
+    W \leftarrow W - \eta_t\, \alpha \big(U (V \omega + \alpha_c C_R^\top)^\top
     + \alpha_c C_L\big)
 
   with ``U`` (``m x r``, ``m <= n``) and ``V`` (``n x k``) tracked bases of
