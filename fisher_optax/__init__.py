@@ -9,7 +9,7 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  OnCoefficientsState, ScaleByBiasCorrectionState,
                                  ScaleByMomentsState, ScaleByTwoSidedState, Subspace, Switch,
                                  SvdRefresh, compensate, low_rank_track, norm_growth_limiter,
-                                 on_coefficients, project_back, RotateState, rotate, scale_by_bias_correction,
+                                 on_coefficients, project_back, RotateSideState, RotateState, rotate, scale_by_bias_correction,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "alice", "alice0", "alice_soap", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
     "apollo", "apollo_mini", "swan", "muon", "normalize", "whiten", "scale_by_momentum", "scale_by_shape",
-    "ScaleByMomentumState", "inject_hyperparams", "rotate", "RotateState", "random_project",
+    "ScaleByMomentumState", "inject_hyperparams", "rotate", "RotateState", "RotateSideState", "random_project",
     "scale_by_subspace_ratio", "RandomProjectState",
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fisher_optax import routing
+from fisher_optax import matrices, routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +73,8 @@ def describe(tx: Any, params: Any) -> Description:
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if routed is not None:
     labels = jax.tree.leaves(routed.labels(params))
-    dims = jax.tree.leaves(routing.resolve_dims(routed.dims, params),
-                           is_leaf=lambda x: isinstance(x, routing.MatrixDims))
+    dims = jax.tree.leaves(matrices.resolve_dims(routed.dims, params),
+                           is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
     name, rank = routed.info.get("name", "structured"), routed.info.get("rank")
     note = ""
   else:
@@ -93,7 +93,7 @@ def describe(tx: Any, params: Any) -> Description:
               "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
               "(Flax NNX) or fo.MatrixDims(...)")
     if label == "structured":
-      v = routing.matrix_view(shape, d, smaller_first=True)
+      v = matrices.matrix_view(shape, d, smaller_first=True)
       view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
       if rank is not None:
         r = min(int(rank), v.m)

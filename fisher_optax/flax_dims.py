@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import jax
 
-from fisher_optax import routing
+from fisher_optax import matrices, routing
 
 
 def _module_dims(module, name: str, ndim: int):
@@ -46,39 +46,39 @@ def _module_dims(module, name: str, ndim: int):
   from flax import nnx
   if isinstance(module, nnx.Linear):
     if name != "kernel":
-      return routing.NOT_A_MATRIX
+      return matrices.NOT_A_MATRIX
     k = ndim - 2
-    return routing.MatrixDims(rows=k, cols=k + 1) if k >= 0 else routing.NOT_A_MATRIX
+    return matrices.MatrixDims(rows=k, cols=k + 1) if k >= 0 else matrices.NOT_A_MATRIX
   if isinstance(module, nnx.LinearGeneral):
     if name != "kernel":
-      return routing.NOT_A_MATRIX
+      return matrices.NOT_A_MATRIX
     n_in = len(module.in_features) if isinstance(module.in_features, tuple) else 1
     n_out = len(module.out_features) if isinstance(module.out_features, tuple) else 1
     # kernel layout: batch_dims + in_features + out_features (flax LinearGeneral)
     n_batch_decl = len(getattr(module, "batch_axis", {}) or {})
     k = ndim - (n_batch_decl + n_in + n_out)
     if k < 0:
-      return routing.NOT_A_MATRIX
+      return matrices.NOT_A_MATRIX
     first = k + n_batch_decl
-    return routing.MatrixDims(rows=tuple(range(first, first + n_in)),
+    return matrices.MatrixDims(rows=tuple(range(first, first + n_in)),
                               cols=tuple(range(first + n_in, first + n_in + n_out)))
   if isinstance(module, nnx.Conv):
     if name != "kernel":
-      return routing.NOT_A_MATRIX
+      return matrices.NOT_A_MATRIX
     spatial = len(module.kernel_size) if isinstance(module.kernel_size, (tuple, list)) else 1
     k = ndim - (spatial + 2)
     if k < 0:
-      return routing.NOT_A_MATRIX
-    return routing.MatrixDims(rows=tuple(range(k, k + spatial + 1)), cols=k + spatial + 1)
+      return matrices.NOT_A_MATRIX
+    return matrices.MatrixDims(rows=tuple(range(k, k + spatial + 1)), cols=k + spatial + 1)
   if isinstance(module, nnx.Embed):
     if name != "embedding":
-      return routing.NOT_A_MATRIX
+      return matrices.NOT_A_MATRIX
     k = ndim - 2
-    return routing.MatrixDims(rows=k, cols=k + 1) if k >= 0 else routing.NOT_A_MATRIX
+    return matrices.MatrixDims(rows=k, cols=k + 1) if k >= 0 else matrices.NOT_A_MATRIX
   norms = tuple(getattr(nnx, n) for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
                 if hasattr(nnx, n))
   if isinstance(module, norms):
-    return routing.NOT_A_MATRIX
+    return matrices.NOT_A_MATRIX
   return None
 
 
@@ -102,8 +102,8 @@ def flax_dims(model: Any) -> Callable[[Any], Any]:
     ndim = len(getattr(x, "shape", ()))
     d = _module_dims(module, parts[-1], ndim) if module is not None else None
     if d is None:
-      d = (routing.MatrixDims() if ndim == 2 and not routing.is_vector_name(path)
-           else routing.NOT_A_MATRIX)
+      d = (matrices.MatrixDims() if ndim == 2 and not routing.is_vector_name(path)
+           else matrices.NOT_A_MATRIX)
     table[key] = d
 
   def dims(tree):

@@ -31,34 +31,6 @@ def map_matrices(fn, *args):
       *args, cpu=lambda *a: jax.lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
 
 
-def map_grouped(fn, items: list) -> list:
-  """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
-
-  ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
-  of ``b_i`` matrices; ``b_i`` may differ between items) or ``None``. Items whose
-  arguments have the same shapes are concatenated along the stack axis and served by one
-  :func:`map_matrices` call (every layer's ``q_proj`` becomes one decomposition call,
-  which keeps compile time flat in depth); the results are split back. Returns, per item,
-  ``fn``'s output pytree with a leading axis ``b_i``.
-  """
-  groups: dict = {}
-  for j, args in enumerate(items):
-    key = tuple(None if a is None else a.shape[1:] for a in args)
-    groups.setdefault(key, []).append(j)
-  out = [None] * len(items)
-  for members in groups.values():
-    cat = [None if items[members[0]][a] is None
-           else jnp.concatenate([items[j][a] for j in members], axis=0)
-           for a in range(len(items[members[0]]))]
-    res = map_matrices(fn, *cat)
-    start = 0
-    for j in members:
-      size = next(a.shape[0] for a in items[j] if a is not None)
-      out[j] = jax.tree.map(lambda o, s=start, z=size: o[s:s + z], res)
-      start += size
-  return out
-
-
 def canonical_signs(v: jax.Array) -> jax.Array:
   """Flips each column of ``v`` so that its largest-magnitude entry is positive."""
   idx = jnp.argmax(jnp.abs(v), axis=0)

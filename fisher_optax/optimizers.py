@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, routing, validation
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
@@ -118,7 +118,7 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
 def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-         dims: routing.DimsSpec = None,
+         dims: matrices.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""RACS, row and column scaled SGD (paper Sec. 4, Alg. "RACS").
@@ -175,7 +175,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
           b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
           eps: float = 1e-8, seed: int = 0,
           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-          dims: routing.DimsSpec = None,
+          dims: matrices.DimsSpec = None,
           fallback: Optional[optax.GradientTransformation] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice, low-rank Eigen-Adam with tracking, switching and compensation (paper Sec. 5.4,
@@ -228,7 +228,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
            interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-           dims: routing.DimsSpec = None,
+           dims: matrices.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-0: :func:`alice` without tracking (``b3 = 0``: no ``r x r`` state; paper Sec.
@@ -270,7 +270,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9, b2: float = 0.9,
                b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
                seed: int = 0, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-               dims: routing.DimsSpec = None,
+               dims: matrices.DimsSpec = None,
                fallback: Optional[optax.GradientTransformation] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-SOAP: a two-sided low-rank SOAP from the paper's tracking / switching /
@@ -351,7 +351,7 @@ def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
 def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-           dims: routing.DimsSpec = None,
+           dims: matrices.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""GaLore (Zhao et al. 2024, arXiv:2403.03507; paper App. "Low rank optimizers"), as its
@@ -388,7 +388,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          limiter: Optional[float] = 1.01,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-         dims: routing.DimsSpec = None,
+         dims: matrices.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None,
          state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Fira (Chen et al. 2024, arXiv:2410.01623): GaLore plus the norm-based scaled residual
@@ -438,7 +438,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
                max_precond_dim: Optional[int] = None,
                weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-               dims: routing.DimsSpec = None,
+               dims: matrices.DimsSpec = None,
                fallback: Optional[optax.GradientTransformation] = None
                ) -> optax.GradientTransformationExtraArgs:
   r"""Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, Alg. "Eigen-Adam").
@@ -473,7 +473,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          shampoo_beta: Optional[float] = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-         dims: routing.DimsSpec = None,
+         dims: matrices.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SOAP (Vyas et al. 2024, arXiv:2409.11321; paper Sec. 3.5, App. "SOAP/AdaDiag++"), as
@@ -514,7 +514,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
 def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
             max_precond_dim: Optional[int] = None,
             weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-            dims: routing.DimsSpec = None,
+            dims: matrices.DimsSpec = None,
             fallback: Optional[optax.GradientTransformation] = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""Shampoo (Gupta et al. 2018, arXiv:1802.09568; paper Sec. 3.2, App. "Shampoo").
@@ -577,7 +577,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            scale: float = 1.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            limiter: Optional[float] = 1.01, seed: int = 0,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-           dims: routing.DimsSpec = None,
+           dims: matrices.DimsSpec = None,
            fallback: Optional[optax.GradientTransformation] = None
            ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO (Zhu et al. 2024, arXiv:2412.05270; paper App. "Apollo"), as its release:
@@ -612,7 +612,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 scale: float = 128.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
                 limiter: Optional[float] = 1.01, seed: int = 0,
                 weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-                dims: routing.DimsSpec = None,
+                dims: matrices.DimsSpec = None,
                 fallback: Optional[optax.GradientTransformation] = None
                 ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO-mini (Zhu et al. 2024, arXiv:2412.05270): :func:`apollo` at rank 1 with
@@ -647,7 +647,7 @@ apollo.static_args = ("rank",)
 def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-         dims: routing.DimsSpec = None,
+         dims: matrices.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SWAN (Ma et al. 2024, arXiv:2412.13148; paper App. "SWAN", Sec. 3.3): stateless
@@ -682,7 +682,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
          steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
-         dims: routing.DimsSpec = None,
+         dims: matrices.DimsSpec = None,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Muon by composition (Jordan et al. 2024; paper App. "Muon"): whitening of the

@@ -1,234 +1,31 @@
-"""Parameter routing: which leaves are matrices, how they are laid out, and masks.
+"""Parameter routing: which leaves get the structured rule, and the float32 wrapper.
 
-SPEC.md ("Notation"): a matrix parameter ``W`` and its gradient ``G`` are ``m x n``.
-The default mask takes only 2-D leaves as matrices (:func:`default_mask`); a leaf with
-more dimensions that a mask or ``dims`` routes to a block is a *stack* of independent
-matrices: by default every axis but the last two is a batch axis (scanned layers
-``[layers, m, n]``), each slice with its own optimizer state. :class:`MatrixDims`
-chooses other axes (as ``optax.contrib.muon``'s dimension numbers do).
-
-Every structured block works on a *canonical view* of a leaf: an array of shape
-``batch + (m, n)``. One-sided and low-rank blocks ask for ``smaller_first=True``,
-which transposes tall matrices so that ``m <= n`` (the paper assumes ``m <= n``;
-SPEC.md: "for m > n apply the same math to the transpose").
+The default mask takes only 2-D leaves as matrices (:func:`default_mask`); ``dims``
+(:class:`~fisher_optax.matrices.MatrixDims`, e.g. from :func:`fisher_optax.flax_dims`)
+routes stacks, attention and conv kernels; :func:`path_mask` selects by parameter path;
+:func:`route` sends the selected leaves to the structured rule and the rest to the
+fallback (``optax.partition``). How a routed leaf becomes ``m x n`` matrices is
+:mod:`fisher_optax.matrices` (re-exported here for compatibility).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-
-Axes = Union[int, Sequence[int]]
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixDims:
-  """Which axes of a leaf are the matrix rows and columns.
-
-  Attributes:
-    rows: axis (or axes, merged in order) of the rows (``m``); negative values count
-      from the end. Several axes form one row axis of their product's size, e.g. an
-      attention output kernel ``(heads, head_dim, out)`` with ``rows=(0, 1), cols=2`` is
-      one ``heads * head_dim x out`` matrix.
-    cols: axis (or axes) of the columns (``n``).
-
-  All other axes are batch axes: each index into them is an independent matrix
-  (``optax.contrib.muon``'s dimension numbers follow the same convention: reduction
-  axes = rows, output axes = columns).
-  """
-
-  rows: Axes = -2
-  cols: Axes = -1
-
-
-class NotAMatrix(MatrixDims):
-  """A ``dims`` entry that routes its leaf to the fallback (e.g. a stack of norm scales);
-  :data:`NOT_A_MATRIX` is its instance. :func:`flax_dims` uses it for every parameter
-  that is no matrix of a matrix product."""
-
-  def __init__(self):
-    super().__init__(rows=(), cols=())
-
-  def __repr__(self):
-    return "NOT_A_MATRIX"
-
-
-NOT_A_MATRIX = NotAMatrix()
-
-DimsSpec = Union[None, MatrixDims, Any, Callable[[Any], Any]]
+from fisher_optax.matrices import (NOT_A_MATRIX, DimsSpec, MatrixDims,  # noqa: F401
+                                   MatrixView, NotAMatrix, cast_like, is_matrix_shape,
+                                   matrix_view, resolve_dims, views_like, vmap_batch)
+from fisher_optax.matrices import _normalize_axes
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).
 VECTOR_NAMES = ("bias", "scale", "gamma", "beta", "offset")
-
-
-def _as_axes(a: Axes) -> tuple[int, ...]:
-  if isinstance(a, (int, np.integer)):
-    return (int(a),)
-  return tuple(int(x) for x in a)
-
-
-@dataclasses.dataclass(frozen=True)
-class MatrixView:
-  """Static description of how a leaf maps to its canonical ``batch + (m, n)`` form."""
-
-  shape: tuple[int, ...]
-  rows: tuple[int, ...]
-  cols: tuple[int, ...]
-  transpose: bool
-
-  @property
-  def batch_axes(self) -> tuple[int, ...]:
-    return tuple(a for a in range(len(self.shape)) if a not in self.rows + self.cols)
-
-  @property
-  def batch_shape(self) -> tuple[int, ...]:
-    return tuple(self.shape[a] for a in self.batch_axes)
-
-  @property
-  def num_matrices(self) -> int:
-    return math.prod(self.batch_shape)
-
-  @property
-  def fan_in(self) -> int:
-    """Size of the (merged) row axes of the leaf."""
-    return math.prod(self.shape[a] for a in self.rows)
-
-  @property
-  def fan_out(self) -> int:
-    """Size of the (merged) column axes of the leaf."""
-    return math.prod(self.shape[a] for a in self.cols)
-
-  @property
-  def m(self) -> int:
-    """Rows of the canonical matrix (the smaller side when ``transpose`` was asked)."""
-    return self.fan_out if self.transpose else self.fan_in
-
-  @property
-  def n(self) -> int:
-    return self.fan_in if self.transpose else self.fan_out
-
-  def _perm(self) -> tuple[int, ...]:
-    return self.batch_axes + self.rows + self.cols
-
-  def to_canonical(self, x: jax.Array) -> jax.Array:
-    """Leaf layout -> ``batch + (m, n)``."""
-    x = jnp.transpose(x, self._perm()).reshape(self.batch_shape + (self.fan_in, self.fan_out))
-    return jnp.swapaxes(x, -1, -2) if self.transpose else x
-
-  def expand_batch(self, x: jax.Array) -> jax.Array:
-    """A per-matrix array of shape ``batch_shape`` -> broadcastable against the leaf."""
-    shape = [1] * len(self.shape)
-    for a in self.batch_axes:
-      shape[a] = self.shape[a]
-    return jnp.reshape(x, shape)
-
-  def from_canonical(self, x: jax.Array) -> jax.Array:
-    """``batch + (m, n)`` -> leaf layout (inverse of :meth:`to_canonical`)."""
-    if self.transpose:
-      x = jnp.swapaxes(x, -1, -2)
-    perm = self._perm()
-    x = x.reshape(tuple(self.shape[a] for a in perm))
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-      inv[p] = i
-    return jnp.transpose(x, inv)
-
-
-def is_matrix_shape(shape: Sequence[int], dims: Optional[MatrixDims] = None) -> bool:
-  """True when ``shape`` has matrix axes ``dims`` with both sizes > 1 (SPEC default mask)."""
-  dims = dims or MatrixDims()
-  if isinstance(dims, NotAMatrix) or len(shape) < 2:
-    return False
-  try:
-    r, c = _normalize_axes(len(shape), dims)
-  except ValueError:
-    return False
-  return math.prod(shape[a] for a in r) > 1 and math.prod(shape[a] for a in c) > 1
-
-
-def _normalize_axes(ndim: int, dims: MatrixDims) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  r, c = _as_axes(dims.rows), _as_axes(dims.cols)
-  if not r or not c:
-    raise ValueError(f"{dims}: rows and cols each need at least one axis")
-  for a in r + c:
-    if not -ndim <= a < ndim:
-      raise ValueError(f"{dims} out of range for a leaf with {ndim} dims")
-  r, c = tuple(a % ndim for a in r), tuple(a % ndim for a in c)
-  if len(set(r + c)) != len(r + c):
-    raise ValueError(f"MatrixDims rows and cols must differ (no axis twice), got {dims}")
-  return r, c
-
-
-def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
-                smaller_first: bool = False, larger_first: bool = False,
-                what: str = "this block") -> MatrixView:
-  """Builds the :class:`MatrixView` of a leaf, or raises a clear ``ValueError``.
-
-  Args:
-    shape: the leaf's shape.
-    dims: its matrix axes (default: the last two).
-    smaller_first: transpose tall matrices so the canonical ``m <= n``.
-    larger_first: transpose wide and square matrices so the canonical ``m >= n`` and its
-      rows are the other side than ``smaller_first``'s (a low-rank block
-      acting on the larger side, e.g. the right basis of :func:`fisher_optax.alice_soap`).
-    what: name used in the error message.
-  """
-  shape = tuple(int(s) for s in shape)
-  if isinstance(dims, NotAMatrix):
-    raise ValueError(f"{what} got a leaf of shape {shape} whose dims say NOT_A_MATRIX; "
-                     "route it to the fallback with `mask=` (the named optimizers do).")
-  if len(shape) < 2:
-    raise ValueError(
-        f"{what} works on matrices (ndim >= 2) but got a leaf of shape {shape}. "
-        "Route vectors and scalars elsewhere with `mask=` (the named optimizers "
-        "send them to Adam by default).")
-  r, c = _normalize_axes(len(shape), dims or MatrixDims())
-  fan_in, fan_out = math.prod(shape[a] for a in r), math.prod(shape[a] for a in c)
-  if smaller_first and larger_first:
-    raise ValueError("smaller_first and larger_first exclude each other")
-  # square: smaller = rows, larger = columns, so the two choices always pick different sides
-  transpose = (smaller_first and fan_in > fan_out) or (larger_first and fan_in <= fan_out)
-  return MatrixView(shape=shape, rows=r, cols=c, transpose=transpose)
-
-
-def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
-  """Returns a tree (structure of ``tree``) of :class:`MatrixDims` or ``None`` leaves."""
-  if dims is None or isinstance(dims, MatrixDims):
-    d = dims or MatrixDims()
-    return jax.tree.map(lambda _: d, tree)
-  if callable(dims):
-    dims = dims(tree)
-  # ``dims`` is a prefix of ``tree``: inside ``optax.partition`` the leaves routed elsewhere
-  # are ``MaskedNode``s (no leaves), while ``dims`` may hold ``None`` for them.
-  return jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d or MatrixDims(), sub), dims, tree,
-                      is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
-
-
-def views_like(tree: Any, dims: DimsSpec, *, smaller_first: bool, what: str,
-               larger_first: bool = False) -> Any:
-  """A tree of :class:`MatrixView` (as static python objects) for every array leaf."""
-  dims_tree = resolve_dims(dims, tree)
-  return jax.tree.map(
-      lambda x, d: matrix_view(x.shape, d, smaller_first=smaller_first,
-                               larger_first=larger_first, what=what),
-      tree, dims_tree)
-
-
-def vmap_batch(fn: Callable[..., Any], nbatch: int) -> Callable[..., Any]:
-  """Maps ``fn`` (written for one matrix) over ``nbatch`` leading batch axes."""
-  for _ in range(nbatch):
-    fn = jax.vmap(fn)
-  return fn
 
 
 # ----------------------------------------------------------------------------- masks
@@ -356,19 +153,6 @@ def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
   return mask
 
 
-def cast_like(x: jax.Array, dtype) -> jax.Array:
-  """``x.astype(dtype)``, saturating at the finite range of a narrower float dtype.
-
-  An update beyond float16's range (65504) is lost either way; saturating keeps it from
-  becoming ``inf`` and poisoning the parameters. NaN stays NaN (visible).
-  """
-  dtype = jnp.dtype(dtype)
-  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).max < jnp.finfo(x.dtype).max:
-    big = float(jnp.finfo(dtype).max)
-    x = jnp.clip(x, -big, big)
-  return x.astype(dtype)
-
-
 class InFloat32State(NamedTuple):
   inner_state: Any
 
@@ -419,17 +203,3 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   out = RoutedTransformation(tx.init, tx.update)
   out.labels, out.dims, out.info = labels, dims, dict(info or {})
   return out
-
-
-def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, dims: DimsSpec,
-                  *, smaller_first: bool, what: str) -> Any:
-  """Applies ``fn(matrix_f32, view)`` (written for one canonical ``m x n`` matrix) to every
-  leaf: canonical float32 layout, ``vmap`` over batch axes, back to the leaf's layout,
-  cast (saturating) to the leaf's dtype. For stateless per-matrix blocks."""
-  views = views_like(tree, dims, smaller_first=smaller_first, what=what)
-
-  def one(x, view):
-    f = vmap_batch(lambda m: fn(m.astype(jnp.float32), view), len(view.batch_shape))
-    return cast_like(view.from_canonical(f(view.to_canonical(x))), x.dtype)
-
-  return jax.tree.map(one, tree, views)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fisher_optax import routing
+from fisher_optax import matrices, routing
 
 # Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
 # attribute ({field: role}); undeclared fields are "auto" (matched by size).
@@ -92,7 +92,7 @@ def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
   else:
     if len(pshape) < 2:
       return P()
-    view = routing.matrix_view(pshape, dims)
+    view = matrices.matrix_view(pshape, dims)
     batch = view.batch_axes
     nb = len(batch)
     if tuple(shape[:nb]) != tuple(pshape[a] for a in batch):
@@ -131,7 +131,7 @@ def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
   return P(*out)
 
 
-def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: routing.DimsSpec = None,
+def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.DimsSpec = None,
                           mesh: Optional[Mesh] = None) -> Any:
   """``PartitionSpec`` tree for ``tx.init(params)``.
 
@@ -148,8 +148,8 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: routing.Di
   state_shapes = jax.eval_shape(tx.init, params)
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: x is None or isinstance(x, P))
-  dims_tree = routing.resolve_dims(dims, params)
-  d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, routing.MatrixDims))
+  dims_tree = matrices.resolve_dims(dims, params)
+  d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
   by_path = {tuple(path): (leaf.shape, spec, d)
              for (path, leaf), spec, d in zip(p_leaves, s_leaves, d_leaves)}
   max_len = max((len(k) for k in by_path), default=0)

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import fim
+from fisher_optax import fim, matrices
 from tests.util import run_opt as _run
 
 M = 6
@@ -167,14 +167,13 @@ def test_fim_compensation_blocks_are_the_optimizer_first_step_compensations():
 
 
 def test_larger_side_views_pick_the_other_side_also_for_square_matrices():
-  from fisher_optax import routing
   for shape in [(3, 5), (5, 3), (4, 4)]:
-    small = routing.matrix_view(shape, smaller_first=True)
-    large = routing.matrix_view(shape, larger_first=True)
+    small = matrices.matrix_view(shape, smaller_first=True)
+    large = matrices.matrix_view(shape, larger_first=True)
     assert small.m == min(shape) and large.m == max(shape)
     assert small.transpose != large.transpose
   with pytest.raises(ValueError, match="exclude"):
-    routing.matrix_view((3, 5), smaller_first=True, larger_first=True)
+    matrices.matrix_view((3, 5), smaller_first=True, larger_first=True)
 
 
 def test_compensation_of_a_residual_at_rounding_level_is_zero():

@@ -198,7 +198,7 @@ def test_soap_bases_are_the_eigenbases_of_the_expected_statistics():
   for x in g:
     _, s = tx.update({"w": jnp.asarray(x, jnp.float32)}, s, p)
   f = fim.soap(g).factors
-  for got, want in [(s.basis_left["w"], f["U_L"]), (s.basis_right["w"], f["U_R"])]:
+  for got, want in [(s.left.basis["w"], f["U_L"]), (s.right.basis["w"], f["U_R"])]:
     np.testing.assert_allclose(np.abs(np.asarray(got, np.float64).T @ want),
                                np.eye(want.shape[0]), atol=1e-4)
 

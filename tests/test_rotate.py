@@ -66,7 +66,8 @@ def test_soap_with_one_side_unrotated_matches_reference(shape):
   for a, b in zip(lib[1:], ref[1:]):
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-4
   s = fo.soap(LR, **kw).init({"w": jnp.zeros(shape)})
-  sides = [optax.tree_utils.tree_get(s, k)["w"] for k in ("basis_left", "basis_right")]
+  rs = optax.tree_utils.tree_get(s, "RotateState")
+  sides = [rs.left.basis["w"], rs.right.basis["w"]]
   assert sum(x is None for x in sides) == 1  # the larger side stores nothing
 
 
@@ -94,7 +95,7 @@ def test_eigen_adam_first_moment_is_the_rotated_original_space_moment():
   for g in grads:
     _, s = tx.update({"w": jnp.asarray(g, jnp.float32)}, s)
     m = 0.9 * m + 0.1 * g
-    u = np.asarray(s.basis_left["w"], np.float64)
+    u = np.asarray(s.left.basis["w"], np.float64)
     mu = np.asarray(optax.tree_utils.tree_get(s.inner_state, "mu")["w"])
     np.testing.assert_allclose(mu, u.T @ m, atol=1e-5)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import routing
+from fisher_optax import matrices, routing
 
 
 def test_default_mask_selects_matrices_with_both_dims_above_one():
@@ -40,7 +40,7 @@ def test_path_mask_include_exclude():
     ((9, 2, 4), fo.MatrixDims(rows=0, cols=2), True, 4, 9, (2,)),
 ])
 def test_matrix_view_round_trip(shape, dims, transpose, m, n, batch):
-  v = routing.matrix_view(shape, dims, smaller_first=True)
+  v = matrices.matrix_view(shape, dims, smaller_first=True)
   assert (v.transpose, v.m, v.n, v.batch_shape) == (transpose, m, n, batch)
   x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
   c = v.to_canonical(x)
@@ -50,6 +50,6 @@ def test_matrix_view_round_trip(shape, dims, transpose, m, n, batch):
 
 def test_bad_dims_are_clear_errors():
   with pytest.raises(ValueError, match="must differ"):
-    routing.matrix_view((3, 4), fo.MatrixDims(rows=1, cols=-1))
+    matrices.matrix_view((3, 4), fo.MatrixDims(rows=1, cols=-1))
   with pytest.raises(ValueError, match="out of range"):
-    routing.matrix_view((3, 4), fo.MatrixDims(rows=0, cols=5))
+    matrices.matrix_view((3, 4), fo.MatrixDims(rows=0, cols=5))

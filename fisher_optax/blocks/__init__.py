@@ -8,7 +8,7 @@ from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMome
                                          scale_by_bias_correction, scale_by_moments)
 from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
-from fisher_optax.blocks.rotate import RotateState, rotate
+from fisher_optax.blocks.rotate import RotateSideState, RotateState, rotate
 from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,
                                                    scale_by_subspace_ratio)
 from fisher_optax.blocks.momentum import ScaleByMomentumState, scale_by_momentum

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, routing, validation
+from fisher_optax import linalg, matrices, validation
 from fisher_optax.blocks import limiter as limiter_lib
 from fisher_optax.blocks import low_rank, random_projection
 
@@ -56,7 +56,7 @@ class CompensateState(NamedTuple):
 
 def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9,
                limiter: Optional[float] = 1.01, scale: float = 1.0,
-               dims: routing.DimsSpec = None,
+               dims: matrices.DimsSpec = None,
                side: str = "smaller") -> optax.GradientTransformation:
   """Maps :class:`~fisher_optax.blocks.low_rank.Subspace` nodes to compensated dense updates.
 
@@ -82,11 +82,11 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
   what = "compensate"
 
   def init_fn(params):
-    views = low_rank.side_views(params, dims, what, side)
+    lv = low_rank.lift(params, dims, what, side)
     p = None
     if method == "optimal":
-      p = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32), params, views)
-    phi = jax.tree.map(lambda x, v: jnp.zeros(v.batch_shape, jnp.float32), params, views)
+      p = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32))
+    phi = lv.per_view(lambda v: jnp.zeros(v.batch_shape, jnp.float32))
     return CompensateState(p=p, phi=phi)
 
   def update_fn(updates, state, params=None):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, validation
 
 
 def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
@@ -43,7 +43,7 @@ class NormGrowthLimiterState(NamedTuple):
 
 
 def norm_growth_limiter(limiter: float = 1.01, *,
-                        dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+                        dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """Fira's norm-growth limiter, per matrix (stacked leaves: per slice).
 
   Args:
@@ -58,37 +58,29 @@ def norm_growth_limiter(limiter: float = 1.01, *,
   """
   validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True)
 
-  def _views(tree):
-    dims_tree = routing.resolve_dims(dims, tree)
-    return jax.tree.map(
-        lambda x, d: routing.matrix_view(x.shape, d) if jnp.ndim(x) >= 2 else None,
-        tree, dims_tree)
+  def lift(tree):
+    return matrices.Lifted(tree, dims, what="norm_growth_limiter", vectors=True)
 
-  def _norm(x, view):
+  def norm(x, view):  # per matrix of a stack; a vector or scalar is one tensor
     x = x.astype(jnp.float32)
     if view is None:
       return jnp.sqrt(jnp.sum(jnp.square(x)))
     return jnp.sqrt(jnp.sum(jnp.square(view.to_canonical(x)), axis=(-2, -1)))
 
   def init_fn(params):
-    views = _views(params)
-    return NormGrowthLimiterState(phi=jax.tree.map(
-        lambda p, v: jnp.zeros(v.batch_shape if v else (), jnp.float32), params, views,
-        is_leaf=lambda x: x is None))
+    return NormGrowthLimiterState(phi=lift(params).per_view(
+        lambda v: jnp.zeros(v.batch_shape if v else (), jnp.float32)))
 
   def update_fn(updates, state, params=None):
     del params
-    views = _views(updates)
-
-    def one(u, phi, view):
-      eta, new_phi = limit_growth(_norm(u, view), phi, limiter)
+    lv = lift(updates)
+    out, new_phi = [], []
+    for u, phi, view in zip(lv.leaves, lv.flat(state.phi), lv.views):
+      eta, phi = limit_growth(norm(u, view), phi, limiter)
       if view is not None:
         eta = view.expand_batch(eta)
-      return routing.cast_like(u * eta, u.dtype), new_phi
-
-    out = jax.tree.map(one, updates, state.phi, views, is_leaf=lambda x: x is None)
-    new_updates = jax.tree.map(lambda _, o: o[0], updates, out)
-    new_phi = jax.tree.map(lambda _, o: o[1], updates, out)
-    return new_updates, NormGrowthLimiterState(phi=new_phi)
+      out.append(matrices.cast_like(u * eta, u.dtype))
+      new_phi.append(phi)
+    return lv.un(out), NormGrowthLimiterState(phi=lv.un(new_phi))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -26,7 +26,7 @@ matrix (``U^T G``, and ``sigma sigma^T`` when tracking), ``O(mnr)``. All refresh
 the tree sit in one ``lax.switch`` (keep / first / refresh), so ordinary steps
 run none of their code; inside it, same-shape matrices (every layer's ``q_proj``,
 stack entries) are concatenated and served by one decomposition call per shape
-(:func:`fisher_optax.linalg.map_matrices`), which also keeps compile time flat in
+(:func:`fisher_optax.matrices.map_grouped`), which also keeps compile time flat in
 the number of layers. ``Q`` (``m x m``) is never formed: the switching policy
 applies it as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) G (G^T U)``.
 """
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, routing, validation
+from fisher_optax import linalg, matrices, validation
 from fisher_optax.blocks import switching as switching_lib
 
 
@@ -119,7 +119,7 @@ class SubspaceSource(optax.GradientTransformation):
     return on_coefficients(inner, rank=self.rank, dims=self.dims, side=self.side)
 
 
-def subspace_source(init_fn, update_fn, *, rank: int, dims: routing.DimsSpec,
+def subspace_source(init_fn, update_fn, *, rank: int, dims: matrices.DimsSpec,
                     side: str = "smaller") -> SubspaceSource:
   out = SubspaceSource(init_fn, update_fn)
   out.rank, out.dims, out.side = rank, dims, side
@@ -130,7 +130,7 @@ def is_subspace(x: Any) -> bool:
   return isinstance(x, Subspace)
 
 
-def clipped_rank(rank: int, view: routing.MatrixView) -> int:
+def clipped_rank(rank: int, view: matrices.MatrixView) -> int:
   """``rank`` clipped to ``min(m, n)`` of one matrix (SPEC.md)."""
   return min(int(rank), view.m)
 
@@ -144,11 +144,10 @@ def check_side(side: str) -> str:
   return side
 
 
-def side_views(tree, dims, what, side: str = "smaller"):
-  """Canonical views with the projected side as rows: ``m <= n`` for ``side="smaller"``
+def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> matrices.Lifted:
+  """The tree lifted with the projected side as rows: ``m <= n`` for ``side="smaller"``
   (the paper's convention), ``m >= n`` for ``side="larger"``."""
-  return routing.views_like(tree, dims, smaller_first=side == "smaller",
-                            larger_first=side == "larger", what=what)
+  return matrices.Lifted(tree, dims, side=side, what=what, canonical=canonical)
 
 
 class LowRankTrackState(NamedTuple):
@@ -162,7 +161,7 @@ class LowRankTrackState(NamedTuple):
 
 
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
-                   refresh: Optional[Any] = None, dims: routing.DimsSpec = None,
+                   refresh: Optional[Any] = None, dims: matrices.DimsSpec = None,
                    state_dtype: Optional[jnp.dtype] = None,
                    side: str = "smaller") -> "SubspaceSource":
   """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
@@ -206,33 +205,29 @@ class _Tracker:
   interval: Any
   b3: Any
   policy: Any
-  dims: routing.DimsSpec
+  dims: matrices.DimsSpec
   side: str
   sdtype: Any
   has_tracking: bool
 
-  def views(self, tree):
-    return side_views(tree, self.dims, "low_rank_track", self.side)
+  def lift(self, tree, canonical: bool = False):
+    return lift(tree, self.dims, "low_rank_track", self.side, canonical)
 
   def init(self, params):
-    views, r = self.views(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
-    basis = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype),
-                         params, views)
+    lv, r = self.lift(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
+    basis = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype))
     tracked = None
     if self.has_tracking:
-      tracked = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype),
-                             params, views)
+      tracked = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype))
     key = jax.random.PRNGKey(self.policy.seed) if self.policy.random else None
     return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked, key=key)
 
   def update(self, updates, state, params=None):
     del params
-    leaves, treedef = jax.tree.flatten(updates)
-    v_leaves = treedef.flatten_up_to(self.views(updates))
-    u_leaves = treedef.flatten_up_to(state.basis)
-    q_leaves = (treedef.flatten_up_to(state.tracked) if self.has_tracking
-                else [None] * len(leaves))
-    gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(leaves, v_leaves)]
+    lv = self.lift(updates, canonical=True)
+    leaves, v_leaves, gcs = lv.leaves, lv.views, lv.gcs
+    u_leaves = lv.flat(state.basis)
+    q_leaves = lv.flat(state.tracked) if self.has_tracking else [None] * len(leaves)
     new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
     out, new_u, new_q = [], [], []
     for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
@@ -245,14 +240,14 @@ class _Tracker:
         new_q.append(q.astype(self.sdtype))
       new_u.append(u.astype(self.sdtype))
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
-    return treedef.unflatten(out), LowRankTrackState(
-        count=optax.safe_int32_increment(state.count), basis=treedef.unflatten(new_u),
-        tracked=treedef.unflatten(new_q) if self.has_tracking else None, key=state.key)
+    return lv.un(out), LowRankTrackState(
+        count=optax.safe_int32_increment(state.count), basis=lv.un(new_u),
+        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key)
 
   def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
     ``[matrices, ...]`` arrays. Same-shape matrices (e.g. every layer's q_proj) share one
-    decomposition call (linalg.map_grouped), and one lax.switch (keep / first refresh /
+    decomposition call (matrices.map_grouped), and one lax.switch (keep / first refresh /
     refresh) holds every refresh of the tree; stacking happens inside the refresh
     branches, so an ordinary step copies nothing."""
     count, flat_u, flat_q, flat_k = state.count, [], [], []
@@ -265,7 +260,7 @@ class _Tracker:
 
     def branch(fn):
       def run(ops):
-        outs = linalg.map_grouped(fn, [(g.reshape((-1,) + g.shape[-2:]), u, q, k)
+        outs = matrices.map_grouped(fn, [(g.reshape((-1,) + g.shape[-2:]), u, q, k)
                                        for g, u, q, k in zip(*ops)])
         return [o[0] for o in outs], [o[1] for o in outs]
       return run
@@ -300,7 +295,7 @@ class OnCoefficientsState(NamedTuple):
 
 
 def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
-                    dims: routing.DimsSpec = None,
+                    dims: matrices.DimsSpec = None,
                     side: str = "smaller") -> optax.GradientTransformation:
   """Runs ``inner`` (e.g. ``optax.scale_by_adam``) on the subspace coefficients.
 
@@ -316,10 +311,8 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
   what = "on_coefficients"
 
   def _coeff_like(params):
-    views = side_views(params, dims, what, side)
-    return jax.tree.map(
-        lambda p, v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v), v.n), jnp.float32),
-        params, views)
+    return lift(params, dims, what, side).per_view(
+        lambda v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v), v.n), jnp.float32))
 
   def init_fn(params):
     return OnCoefficientsState(inner_state=inner.init(_coeff_like(params)))
@@ -352,7 +345,7 @@ def dense_low_rank(s: Subspace) -> jax.Array:
 
 def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
   """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
-  return routing.cast_like(s.view.from_canonical(canonical), s.dtype)
+  return matrices.cast_like(s.view.from_canonical(canonical), s.dtype)
 
 
 def project_back() -> optax.GradientTransformation:

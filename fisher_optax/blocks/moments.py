@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, validation
 
 
 class ScaleByMomentsState(NamedTuple):
@@ -53,7 +53,7 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     x = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
     mu = otu.tree_update_moment(x, state.mu, b1, 1)
     nu = otu.tree_update_moment_per_elem_norm(x, state.nu, b2, 2)
-    out = jax.tree.map(lambda m, v, u: routing.cast_like(m / (jnp.sqrt(v) + eps), u.dtype),
+    out = jax.tree.map(lambda m, v, u: matrices.cast_like(m / (jnp.sqrt(v) + eps), u.dtype),
                        mu, nu, updates)
     return out, ScaleByMomentsState(mu=otu.tree_cast(mu, dtype), nu=otu.tree_cast(nu, dtype))
 
@@ -78,7 +78,7 @@ def scale_by_bias_correction(b1: float = 0.9, b2: float = 0.999) -> optax.Gradie
     count = optax.safe_int32_increment(state.count)
     t = count.astype(jnp.float32)
     factor = jnp.sqrt(1 - jnp.asarray(b2, jnp.float32) ** t) / (1 - jnp.asarray(b1, jnp.float32) ** t)
-    out = jax.tree.map(lambda u: routing.cast_like(u * factor, u.dtype), updates)
+    out = jax.tree.map(lambda u: matrices.cast_like(u * factor, u.dtype), updates)
     return out, ScaleByBiasCorrectionState(count=count)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, validation
 
 
 def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.Array:
@@ -51,7 +51,7 @@ def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.A
 
 
 def normalize(*, axis: str = "columns", center: bool = False, eps: float = 1e-8,
-              dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+              dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """Column (``G S^{-1/2}``) or row normalization, or SWAN's ``GradNorm`` (``center``).
 
   Args:
@@ -71,8 +71,8 @@ def normalize(*, axis: str = "columns", center: bool = False, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
-    out = routing.map_stateless(lambda g, _: normalize_matrix(g, axis, center, eps), updates,
-                                dims, smaller_first=True, what="normalize")
+    out = matrices.map_stateless(lambda g, _: normalize_matrix(g, axis, center, eps), updates,
+                                 dims, side="smaller", what="normalize")
     return out, state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

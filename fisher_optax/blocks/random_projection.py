@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, validation
 from fisher_optax.blocks import low_rank
 
 
@@ -46,7 +46,7 @@ class RandomProjectState(NamedTuple):
 
 
 def random_project(*, rank: int, interval: int = 200, seed: int = 0,
-                   dims: routing.DimsSpec = None) -> low_rank.SubspaceSource:
+                   dims: matrices.DimsSpec = None) -> low_rank.SubspaceSource:
   """Projects each matrix gradient with a seeded Gaussian ``U`` (APOLLO); emits ``Subspace``.
 
   Args:
@@ -62,33 +62,26 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
   what = "random_project"
 
   def init_fn(params):
-    views = routing.views_like(params, dims, smaller_first=True, what=what)
-    leaves, treedef = jax.tree.flatten(params)
-    seeds = []
-    for i, (p, v) in enumerate(zip(leaves, treedef.flatten_up_to(views))):
-      k = jax.random.fold_in(jax.random.PRNGKey(seed), i)
-      seeds.append(jax.random.bits(k, v.batch_shape, jnp.uint32))
-    return RandomProjectState(count=jnp.zeros([], jnp.int32), seed=treedef.unflatten(seeds))
+    lv = matrices.Lifted(params, dims, side="smaller", what=what)
+    seeds = [jax.random.bits(jax.random.fold_in(jax.random.PRNGKey(seed), i), v.batch_shape,
+                             jnp.uint32) for i, v in enumerate(lv.views)]
+    return RandomProjectState(count=jnp.zeros([], jnp.int32), seed=lv.un(seeds))
 
   def update_fn(updates, state, params=None):
     del params
-    views = routing.views_like(updates, dims, smaller_first=True, what=what)
+    lv = matrices.Lifted(updates, dims, side="smaller", what=what, canonical=True)
     renew = (state.count > 0) & ((state.count % interval) == 0)
-
-    def one(g, sd, view):
-      sd = jnp.where(renew, routing.vmap_batch(next_seed, len(view.batch_shape))(sd), sd)
-      r = low_rank.clipped_rank(rank, view)
-      basis = routing.vmap_batch(lambda s: random_basis(s, view.m, r), len(view.batch_shape))(sd)
-      gc = view.to_canonical(g).astype(jnp.float32)
+    nodes, seeds = [], []
+    for g, gc, sd, view in zip(lv.leaves, lv.gcs, lv.flat(state.seed), lv.views):
+      nb, r = len(view.batch_shape), low_rank.clipped_rank(rank, view)
+      sd = jnp.where(renew, matrices.vmap_batch(next_seed, nb)(sd), sd)
+      basis = matrices.vmap_batch(lambda s, r=r, m=view.m: random_basis(s, m, r), nb)(sd)
       sigma = jnp.swapaxes(basis, -1, -2) @ gc
-      node = low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
-                               dtype=g.dtype)
-      return node, sd
-
-    res = jax.tree.map(one, updates, state.seed, views)
-    nodes = jax.tree.map(lambda _, r: r[0], updates, res)
-    seeds = jax.tree.map(lambda _, r: r[1], updates, res)
-    return nodes, RandomProjectState(count=optax.safe_int32_increment(state.count), seed=seeds)
+      nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
+                                     dtype=g.dtype))
+      seeds.append(sd)
+    return lv.un(nodes), RandomProjectState(count=optax.safe_int32_increment(state.count),
+                                            seed=lv.un(seeds))
 
   return low_rank.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
 

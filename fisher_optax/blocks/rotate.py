@@ -57,29 +57,34 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import linalg, routing, validation
+from fisher_optax import linalg, matrices, validation
 
 _SIDES = ("left", "right", "both", "smaller")
 
 
+class RotateSideState(NamedTuple):
+  """One side of every leaf: ``stats`` (``E[G G^T]`` for the left side, ``E[G^T G]`` for
+  the right, ``batch + (d, d)``), ``basis`` (its eigenbasis, ``batch + (d, d)``) and
+  ``eig`` (Shampoo's eigenvalues, ``batch + (d,)``). A disabled side of a leaf (and
+  eigenvalues other methods do not use) holds ``None``."""
+  stats: optax.Updates
+  basis: optax.Updates
+  eig: optax.Updates
+
+
 class RotateState(NamedTuple):
-  """Per leaf: statistics, bases and (Shampoo) eigenvalues per side; a disabled side
-  (and unused eigenvalues) hold ``None``. ``inner_state`` is the state of the rotated
-  transformation."""
+  """``left`` / ``right``: the :class:`RotateSideState` of the rows / columns side (of the
+  canonical matrix: ``sides="smaller"`` transposes tall ones); ``inner_state``: the state
+  of the rotated transformation."""
   count: jax.Array
-  stats_left: optax.Updates
-  stats_right: optax.Updates
-  basis_left: optax.Updates
-  basis_right: optax.Updates
-  eig_left: optax.Updates
-  eig_right: optax.Updates
+  left: RotateSideState
+  right: RotateSideState
   inner_state: optax.OptState
-  SHARDING = {"stats_left": "left_square", "basis_left": "left_square",  # sharding.py roles
-              "stats_right": "right_square", "basis_right": "right_square",
-              "eig_left": "replicated", "eig_right": "replicated"}
+  # sharding.py roles: a side's arrays follow that side's parameter axis
+  SHARDING = {"left": "left_square", "right": "right_square"}
 
 
-def _active(view: routing.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:
+def _active(view: matrices.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:
   left = sides in ("left", "both", "smaller")
   right = sides in ("right", "both")
   ok = lambda d: max_dim is None or d <= max_dim
@@ -187,11 +192,11 @@ def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
   """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
   :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
   (across leaves, stack entries and sides) are concatenated so that one decomposition
-  call (:func:`fisher_optax.linalg.map_matrices`) serves them."""
+  call (:func:`fisher_optax.matrices.map_grouped`) serves them."""
   members = [(i, side) for i in range(len(stats["l"])) for side in ("l", "r")
              if stats[side][i] is not None]
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
-  outs = linalg.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
+  outs = matrices.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
                             [(flat(stats[side][i]), flat(bases[side][i]))
                              for i, side in members])
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
@@ -222,7 +227,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
            b3: Optional[float] = 0.95, statistics: str = "before", refresh: str = "eigh",
            reexpress: Sequence[str] = (), permute: Sequence[str] = (),
            eigenvalue_power: Optional[float] = None, stats_eps: float = 0.0,
-           max_precond_dim: Optional[int] = 10000, dims: routing.DimsSpec = None
+           max_precond_dim: Optional[int] = 10000, dims: matrices.DimsSpec = None
            ) -> optax.GradientTransformation:
   """Runs ``inner`` in the eigenbasis of the gradient statistics (module docstring).
 
@@ -279,13 +284,13 @@ class _Rotation:
   eigenvalue_power: Optional[float]
   stats_eps: float
   max_dim: Optional[int]
-  dims: routing.DimsSpec
+  dims: matrices.DimsSpec
 
-  def views(self, tree):
-    return routing.views_like(tree, self.dims, smaller_first=self.sides == "smaller",
-                              what="rotate")
+  def lift(self, tree, canonical: bool = False) -> matrices.Lifted:
+    return matrices.Lifted(tree, self.dims, side="smaller" if self.sides == "smaller" else None,
+                           what="rotate", canonical=canonical)
 
-  def side_arrays(self, v: routing.MatrixView, side: str, kind: str):
+  def side_arrays(self, v: matrices.MatrixView, side: str, kind: str):
     """Initial statistics (``stats_eps I``), basis (zeros) or eigenvalues (ones) of one
     side of one leaf; ``None`` for a disabled side (or eigenvalues Shampoo alone uses)."""
     d = v.m if side == "left" else v.n
@@ -301,27 +306,25 @@ class _Rotation:
     return jnp.ones(v.batch_shape + (d,), jnp.float32)
 
   def init(self, params):
-    views = self.views(params)
-    mk = lambda side, kind: jax.tree.map(  # noqa: E731
-        lambda p, v: self.side_arrays(v, side, kind), params, views)
-    coeff_like = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32),
-                              params, views)
+    lv = self.lift(params)
+    mk = lambda side, kind: lv.per_view(lambda v: self.side_arrays(v, side, kind))  # noqa: E731
+    coeff_like = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32))
     inner_state = self.inner.init(coeff_like)
     _check_fields(inner_state, self.reexpress, "reexpress")
     _check_fields(inner_state, self.permute, "permute")
-    return RotateState(count=jnp.zeros([], jnp.int32),
-                       stats_left=mk("left", "stats"), stats_right=mk("right", "stats"),
-                       basis_left=mk("left", "basis"), basis_right=mk("right", "basis"),
-                       eig_left=mk("left", "eig"), eig_right=mk("right", "eig"),
+    side = lambda s: RotateSideState(stats=mk(s, "stats"), basis=mk(s, "basis"),  # noqa: E731
+                                     eig=mk(s, "eig"))
+    return RotateState(count=jnp.zeros([], jnp.int32), left=side("left"), right=side("right"),
                        inner_state=inner_state)
 
   def update(self, updates, state, params=None):
     del params
-    lv = _Leaves(updates, self.views(updates))
+    lv = self.lift(updates, canonical=True)
     c = state.count
-    st = {"l": lv.flat(state.stats_left), "r": lv.flat(state.stats_right)}
-    bases = {"l": lv.flat(state.basis_left), "r": lv.flat(state.basis_right)}
-    eigs = {"l": lv.flat(state.eig_left), "r": lv.flat(state.eig_right)}
+    sides = {"l": state.left, "r": state.right}
+    st = {k: lv.flat(v.stats) for k, v in sides.items()}
+    bases = {k: lv.flat(v.basis) for k, v in sides.items()}
+    eigs = {k: lv.flat(v.eig) for k, v in sides.items()}
     inner_state = state.inner_state
     if self.statistics == "before":
       st = self.stats_all(lv, st)
@@ -342,16 +345,14 @@ class _Rotation:
                                             (c % self.interval) == 0))
 
       out, st, bases, eigs, inner_state = jax.lax.cond(c == 0, first_step, later_step)
-    un = lv.un
-    return lv.to_leaves(out), RotateState(
-        count=optax.safe_int32_increment(c), stats_left=un(st["l"]), stats_right=un(st["r"]),
-        basis_left=un(bases["l"]), basis_right=un(bases["r"]), eig_left=un(eigs["l"]),
-        eig_right=un(eigs["r"]), inner_state=inner_state)
+    side = lambda k: RotateSideState(stats=lv.un(st[k]), basis=lv.un(bases[k]),  # noqa: E731
+                                     eig=lv.un(eigs[k]))
+    return lv.to_leaves(out), RotateState(count=optax.safe_int32_increment(c), left=side("l"),
+                                          right=side("r"), inner_state=inner_state)
 
   def stats_all(self, lv, st):
-    return {"l": lv.per_leaf(lambda s, g: stats_update(s, g, "left", self.b3), st["l"], lv.gcs),
-            "r": lv.per_leaf(lambda s, g: stats_update(s, g, "right", self.b3), st["r"],
-                             lv.gcs)}
+    return {k: lv.per_matrix(lambda s, g, side=side: stats_update(s, g, side, self.b3),
+                             st[k], lv.gcs) for k, side in (("l", "left"), ("r", "right"))}
 
   def refresh_all(self, lv, st, bases, eigs, inner_state, first, do_refresh):
     """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
@@ -375,46 +376,22 @@ class _Rotation:
                       for o, r in zip(eigs[k], res[k])] for k in "lr"}
     get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]  # noqa: E731
     for name in self.reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
-      new = lv.per_leaf(lambda x, a, b: rotate_in(x, None if a is None else a.T,
-                                                  None if b is None else b.T).astype(x.dtype),
-                        _field_leaves(inner_state, name, lv.treedef), get("l", "change"),
-                        get("r", "change"))
+      new = lv.per_matrix(lambda x, a, b: rotate_in(x, None if a is None else a.T,
+                                                    None if b is None else b.T).astype(x.dtype),
+                          _field_leaves(inner_state, name, lv.treedef), get("l", "change"),
+                          get("r", "change"))
       inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
     for name in (self.permute if not use_eigh else ()):
-      new = lv.per_leaf(_permute, _field_leaves(inner_state, name, lv.treedef),
-                        get("l", "order"), get("r", "order"))
+      new = lv.per_matrix(_permute, _field_leaves(inner_state, name, lv.treedef),
+                          get("l", "order"), get("r", "order"))
       inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
     return new_bases, new_eigs, inner_state
 
   def rotated_update(self, lv, bases, eigs, inner_state):
     power, eps = self.eigenvalue_power, self.stats_eps
-    gr = lv.per_leaf(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
-                     lv.gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
+    gr = lv.per_matrix(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
+                       lv.gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
     out_r, inner_state = self.inner.update(lv.un(gr), inner_state, None)
-    out = lv.per_leaf(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
-                      lv.flat(out_r), bases["l"], bases["r"])
+    out = lv.per_matrix(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
+                        lv.flat(out_r), bases["l"], bases["r"])
     return out, inner_state
-
-
-class _Leaves:
-  """One update's leaves: their views, canonical float32 gradients, and the helpers that
-  map per-matrix functions over them (vmapped over each leaf's batch axes)."""
-
-  def __init__(self, updates, views):
-    self.leaves, self.treedef = jax.tree.flatten(updates)
-    self.views = self.treedef.flatten_up_to(views)
-    self.nbs = [len(v.batch_shape) for v in self.views]
-    self.gcs = [v.to_canonical(g).astype(jnp.float32) for g, v in zip(self.leaves, self.views)]
-
-  def flat(self, tree):
-    return self.treedef.flatten_up_to(tree)
-
-  def un(self, leaves):
-    return self.treedef.unflatten(leaves)
-
-  def per_leaf(self, fn, *cols):
-    return [routing.vmap_batch(fn, nb)(*xs) for nb, *xs in zip(self.nbs, *cols)]
-
-  def to_leaves(self, canonical):
-    return self.un([routing.cast_like(v.from_canonical(o), g.dtype)
-                    for o, v, g in zip(canonical, self.views, self.leaves)])

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, routing, validation
+from fisher_optax import linalg, matrices, validation
 
 
 class ScaleByTwoSidedState(NamedTuple):
@@ -73,11 +73,10 @@ def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Arra
     q = p @ s / jnp.maximum(jnp.sum(s * s), tiny)
     return s, q
 
-  if isinstance(iters, int):  # unrolled (the usual, static case)
-    for i in range(iters):
-      s, q = body(i, (s, q))
-  else:  # traced, e.g. injected by optax.inject_hyperparams
-    s, q = jax.lax.fori_loop(0, iters, body, (s, q))
+  # A loop, not unrolled: the same arithmetic (updates bitwise equal), but one loop body
+  # per matrix instead of ``iters`` copies halves the update's compile time (130M preset:
+  # 84 matrices); ``iters`` may also be traced (``optax.inject_hyperparams``).
+  s, q = jax.lax.fori_loop(0, iters, body, (s, q))
   return s * (c * c), q
 
 
@@ -93,7 +92,7 @@ def _scale(g, s, q, eps):
 
 
 def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
-                       dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+                       dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """RACS two-sided scaling ``G -> diag(q)^-1/2 G diag(s)^-1/2`` (paper Alg. "RACS" l.5-8).
 
   Args:
@@ -115,30 +114,23 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
   what = "scale_by_two_sided (RACS)"
 
   def init_fn(params):
-    views = routing.views_like(params, dims, smaller_first=False, what=what)
-    s = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32), params, views)
-    q = jax.tree.map(lambda p, v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32), params, views)
-    return ScaleByTwoSidedState(s=s, q=q)
+    lv = matrices.Lifted(params, dims, what=what)
+    return ScaleByTwoSidedState(
+        s=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32)),
+        q=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32)))
+
+  def per_matrix(g, s, q):
+    s_new, q_new = two_sided_fixed_point(g, iters)
+    s_t = beta * s + (1 - beta) * s_new
+    q_t = beta * q + (1 - beta) * q_new
+    ok = jnp.all(jnp.isfinite(s_t)) & jnp.all(jnp.isfinite(q_t))
+    s_t, q_t = jnp.where(ok, s_t, s), jnp.where(ok, q_t, q)
+    return _scale(g, s_t, q_t, eps), s_t, q_t
 
   def update_fn(updates, state, params=None):
     del params
-    views = routing.views_like(updates, dims, smaller_first=False, what=what)
-
-    def one(g, s, q, view):
-      def per_matrix(gm, sm, qm):
-        s_new, q_new = two_sided_fixed_point(gm, iters)
-        s_t = beta * sm + (1 - beta) * s_new
-        q_t = beta * qm + (1 - beta) * q_new
-        ok = jnp.all(jnp.isfinite(s_t)) & jnp.all(jnp.isfinite(q_t))
-        s_t, q_t = jnp.where(ok, s_t, sm), jnp.where(ok, q_t, qm)
-        return _scale(gm, s_t, q_t, eps), s_t, q_t
-
-      fn = routing.vmap_batch(per_matrix, len(view.batch_shape))
-      out, s_t, q_t = fn(view.to_canonical(g), s, q)
-      return routing.cast_like(view.from_canonical(out), g.dtype), s_t, q_t
-
-    res = jax.tree.map(one, updates, state.s, state.q, views)
-    pick = lambda i: jax.tree.map(lambda _, r: r[i], updates, res)
-    return pick(0), ScaleByTwoSidedState(s=pick(1), q=pick(2))
+    lv = matrices.Lifted(updates, dims, what=what, canonical=True)
+    out, s, q = zip(*lv.per_matrix(per_matrix, lv.gcs, lv.flat(state.s), lv.flat(state.q)))
+    return lv.to_leaves(out), ScaleByTwoSidedState(s=lv.un(s), q=lv.un(q))
 
   return optax.GradientTransformation(init_fn, update_fn)

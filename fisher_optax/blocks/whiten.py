@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import routing, validation
+from fisher_optax import matrices, validation
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 CUBIC_COEFFS = (1.5, -0.5, 0.0)
@@ -73,7 +73,7 @@ def exact_whitening(g: jax.Array, rcond: float = 1e-6) -> jax.Array:
 
 def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEFFS,
            steps: int = 5, eps: float = 1e-8, rcond: float = 1e-6,
-           dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+           dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """``G -> (G G^T)^{-1/2} G`` on the smaller side of every matrix (paper Sec. 3.3).
 
   Args:
@@ -108,14 +108,14 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
 
   def update_fn(updates, state, params=None):
     del params
-    return routing.map_stateless(per_matrix, updates, dims, smaller_first=True,
-                                 what="whiten"), state
+    return matrices.map_stateless(per_matrix, updates, dims, side="smaller",
+                                  what="whiten"), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def scale_by_shape(*, consistent_rms: Optional[float] = None,
-                   dims: routing.DimsSpec = None) -> optax.GradientTransformation:
+                   dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """The magnitude convention of whitened updates (Muon's; ``optax.contrib.muon``'s).
 
   A whitened ``m x n`` matrix has unit singular values, so its RMS is
@@ -138,7 +138,6 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
 
   def update_fn(updates, state, params=None):
     del params
-    return routing.map_stateless(per_matrix, updates, dims, smaller_first=False,
-                                 what="scale_by_shape"), state
+    return matrices.map_stateless(per_matrix, updates, dims, what="scale_by_shape"), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -1,0 +1,70 @@
+"""The per-matrix lifting layer (fisher_optax/matrices.py): views, lifting, grouping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fisher_optax import matrices
+
+TREE = {"wide": jnp.arange(12.0).reshape(3, 4), "tall": jnp.arange(20.0).reshape(5, 4),
+        "stack": jnp.arange(24.0).reshape(2, 3, 4), "half": jnp.ones((4, 6), jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("side", [None, "smaller", "larger"])
+def test_lift_round_trip_and_canonical_layout(side):
+  lv = matrices.Lifted(TREE, matrices.MatrixDims(), side=side, what="test", canonical=True)
+  for g, v, x in zip(lv.gcs, lv.views, lv.leaves):
+    assert g.dtype == jnp.float32 and g.shape == v.batch_shape + (v.m, v.n)
+    if side == "smaller":
+      assert v.m <= v.n
+    if side == "larger":
+      assert v.m >= v.n
+  back = lv.to_leaves(lv.gcs)
+  for k in TREE:
+    assert back[k].dtype == TREE[k].dtype
+    np.testing.assert_array_equal(np.asarray(back[k], np.float32),
+                                  np.asarray(TREE[k], np.float32))
+
+
+def test_per_matrix_maps_one_matrix_at_a_time_over_stacks():
+  lv = matrices.Lifted(TREE, matrices.MatrixDims(), what="test", canonical=True)
+  traces = lv.per_matrix(lambda g: jnp.trace(g @ g.T), lv.gcs)
+  for t, x in zip(traces, lv.leaves):
+    x = np.asarray(x, np.float64)
+    want = np.sum(x * x, axis=(-2, -1))
+    np.testing.assert_allclose(np.asarray(t), want, rtol=1e-5)
+  state = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,)))
+  assert state["stack"].shape == (2, 4) and state["tall"].shape == (4,)
+
+
+def test_merged_axes_and_vectors():
+  w = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # (heads, head_dim, out)
+  lv = matrices.Lifted({"o": w, "b": jnp.ones(5)}, {"o": matrices.MatrixDims(rows=(0, 1),
+                                                                            cols=2), "b": None},
+                       what="test", vectors=True)
+  assert lv.views[0] is None  # "b" (sorted first) is a vector
+  assert (lv.views[1].m, lv.views[1].n) == (6, 5)
+  with pytest.raises(ValueError, match="matrices"):
+    matrices.Lifted({"b": jnp.ones(5)}, None, what="test")
+
+
+def test_map_grouped_serves_each_shape_once_and_splits_back():
+  calls = []
+
+  def fn(a, b):
+    calls.append(a.shape)
+    return a + (0 if b is None else b.sum())
+
+  items = [(jnp.ones((2, 3, 3)), None), (2 * jnp.ones((1, 3, 3)), None),
+           (jnp.ones((4, 2, 2)), None)]
+  out = matrices.map_grouped(fn, items)
+  assert [o.shape for o in out] == [(2, 3, 3), (1, 3, 3), (4, 2, 2)]
+  np.testing.assert_array_equal(np.asarray(out[1]), 2 * np.ones((1, 3, 3)))
+  assert len(calls) == 2  # one trace per shape (lax.map on CPU / vmap elsewhere)
+
+
+def test_map_stateless_casts_saturating():
+  big = {"w": jnp.ones((2, 3), jnp.float16)}
+  out = matrices.map_stateless(lambda g, v: g * 1e6, big, None, what="test")
+  assert out["w"].dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(out["w"])))
