@@ -143,3 +143,19 @@ def test_every_preset_optimizer_updates_the_model(name):
     u, state = step(g, state, params)
     params = optax.apply_updates(params, u)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("name", ["eigen_adam", "soap", "shampoo"])
+def test_rotation_methods_do_not_rotate_the_vocabulary_side(name):
+  """On the `small` preset (vocabulary 8192) the output layer is rotated on its
+  model-width side only, as on the larger presets whose vocabulary exceeds the
+  reference 10000: its state holds no ``vocab x vocab`` matrix (checked abstractly)."""
+  from flax import nnx
+  from examples.llama.model import Llama
+  cfg = presets.model_config("small")
+  params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.state(Llama(cfg, nnx.Rngs(0)),
+                                                              nnx.Param)))
+  state = jax.eval_shape(presets.make_optimizer(name, "small", 1e-3).init, params)
+  shapes = [x.shape for x in jax.tree.leaves(state)]
+  assert not any(s.count(cfg.vocab_size) >= 2 for s in shapes)
+  assert any(s[-2:] == (cfg.hidden, cfg.hidden) for s in shapes)
