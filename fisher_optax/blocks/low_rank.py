@@ -250,13 +250,14 @@ class _Tracker:
     decomposition call (matrices.map_grouped), and one lax.switch (keep / first refresh /
     refresh) holds every refresh of the tree; stacking happens inside the refresh
     branches, so an ordinary step copies nothing."""
-    count, flat_u, flat_q, flat_k = state.count, [], [], []
-    for i, (gc, u_old, q_old, view) in enumerate(zip(gcs, u_leaves, q_leaves, v_leaves)):
+    count, flat_u, flat_q = state.count, [], []
+    for gc, u_old, q_old in zip(gcs, u_leaves, q_leaves):
       m, r = gc.shape[-2], u_old.shape[-1]
       flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
       flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
-      flat_k.append(switching_lib.refresh_keys(state.key, i, count, view.batch_shape)
-                    .reshape(-1, *state.key.shape) if self.policy.random else None)
+    flat_k = ([k.reshape(-1, *state.key.shape) for k in switching_lib.refresh_keys_all(
+        state.key, count, [v.batch_shape for v in v_leaves])] if self.policy.random
+              else [None] * len(gcs))
 
     def branch(fn):
       def run(ops):

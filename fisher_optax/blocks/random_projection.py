@@ -71,15 +71,17 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     del params
     lv = matrices.Lifted(updates, dims, side="smaller", what=what, canonical=True)
     renew = (state.count > 0) & ((state.count % interval) == 0)
-    nodes, seeds = [], []
-    for g, gc, sd, view in zip(lv.leaves, lv.gcs, lv.flat(state.seed), lv.views):
-      nb, r = len(view.batch_shape), low_rank.clipped_rank(rank, view)
-      sd = jnp.where(renew, matrices.vmap_batch(next_seed, nb)(sd), sd)
-      basis = matrices.vmap_batch(lambda s, r=r, m=view.m: random_basis(s, m, r), nb)(sd)
+    # the draws of all leaves with the same (m, r) in one vmapped call (matrices.vmap_grouped)
+    old = lv.flat(state.seed)
+    seeds = [jnp.where(renew, s, o) for s, o in
+             zip(matrices.vmap_grouped(lambda _: next_seed, old, [None] * len(old)), old)]
+    shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lv.views]
+    bases = matrices.vmap_grouped(lambda mr: lambda s: random_basis(s, *mr), seeds, shapes)
+    nodes = []
+    for g, gc, basis, view in zip(lv.leaves, lv.gcs, bases, lv.views):
       sigma = jnp.swapaxes(basis, -1, -2) @ gc
       nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
                                      dtype=g.dtype))
-      seeds.append(sd)
     return lv.un(nodes), RandomProjectState(count=optax.safe_int32_increment(state.count),
                                             seed=lv.un(seeds))
 

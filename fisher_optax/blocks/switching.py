@@ -29,12 +29,13 @@ matrix of a stack (:func:`refresh_keys`). Every device draws the same columns.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import linalg, validation
+from fisher_optax import linalg, matrices, validation
 
 
 def refresh_keys(key: jax.Array, leaf_index: int, count: jax.Array,
@@ -46,6 +47,19 @@ def refresh_keys(key: jax.Array, leaf_index: int, count: jax.Array,
     n *= b
   keys = jax.random.split(k, n)
   return keys.reshape(batch_shape + keys.shape[1:])
+
+
+def refresh_keys_all(key: jax.Array, count: jax.Array,
+                     batch_shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
+  """:func:`refresh_keys` of every leaf (leaf ``i`` has ``batch_shapes[i]``), equal to
+  calling it leaf by leaf, with one vmapped hash per distinct stack size instead of one per
+  leaf (compile time; :func:`fisher_optax.matrices.vmap_grouped`)."""
+  sizes = [math.prod(b) for b in batch_shapes]
+  idx = [jnp.asarray(i, jnp.uint32) for i in range(len(batch_shapes))]
+  keys = matrices.vmap_grouped(
+      lambda n: lambda i: jax.random.split(jax.random.fold_in(jax.random.fold_in(key, i), count),
+                                           n), idx, sizes)
+  return [k.reshape(b + k.shape[-1:]) for k, b in zip(keys, batch_shapes)]
 
 
 def complement_indices(key: jax.Array, num_complement: int, k: int) -> jax.Array:
