@@ -9,6 +9,10 @@ first ``--refresh-reps`` rounds only, since one can take seconds), interleaved w
 ``optax.adam`` in rounds, several repetitions, medians. Printed per optimizer: the
 ratio to Adam of an ordinary step, of a refresh step, and amortised over the refresh
 interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
+
+``--compile-only`` lowers and compiles each update on abstract shapes (no arrays, no
+timing runs) and prints compile seconds and their ratio to Adam's, each optimizer
+between two Adam compiles (their mean is the reference: load on the machine drifts).
 """
 
 from __future__ import annotations
@@ -56,6 +60,34 @@ def setup(name: str, preset: str):
   return step, grads, state, params, compile_s
 
 
+def compile_seconds(name: str, preset: str) -> float:
+  """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
+  cfg = presets.model_config(preset)
+  params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.state(Llama(cfg, nnx.Rngs(0)),
+                                                              nnx.Param)))
+  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3)
+  state = jax.eval_shape(tx.init, params)
+  jax.clear_caches()
+  t0 = time.perf_counter()
+  jax.jit(tx.update).lower(params, state, params).compile()
+  return time.perf_counter() - t0
+
+
+def compile_only(names, preset, as_json):
+  results, adam = [], compile_seconds("adam", preset)
+  for name in names:
+    c = compile_seconds(name, preset)
+    adam_next = compile_seconds("adam", preset)
+    ref = 0.5 * (adam + adam_next)
+    results.append(dict(optimizer=name, preset=preset, compile_s=c, adam_compile_s=ref,
+                        ratio_compile=c / ref))
+    if not as_json:
+      print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x", flush=True)
+    adam = adam_next
+  if as_json:
+    print(json.dumps(results, indent=2))
+
+
 def time_call(step, grads, state, params) -> float:
   t0 = time.perf_counter()
   u, s = step(grads, state, params)
@@ -71,8 +103,12 @@ def main():
   ap.add_argument("--refresh-reps", type=int, default=3,
                   help="rounds that also time a refresh step (a refresh can take seconds)")
   ap.add_argument("--json", action="store_true")
+  ap.add_argument("--compile-only", action="store_true",
+                  help="compile each update on abstract shapes; no timing runs")
   args = ap.parse_args()
   names = [n for n in args.optimizers.split(",") if n]
+  if args.compile_only:
+    return compile_only(names, args.preset, args.json)
   adam = setup("adam", args.preset)
   results = []
   for name in names:

@@ -30,6 +30,15 @@ def test_step_time_benchmark_runs_on_tiny():
   assert '"ratio_amortised"' in out.stdout
 
 
+def test_step_time_compile_only_runs_on_tiny():
+  import json
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
+                        "tiny", "--optimizers", "apollo_mini", "--compile-only", "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+  (row,) = json.loads(out.stdout)
+  assert row["optimizer"] == "apollo_mini" and row["compile_s"] > 0 and row["adam_compile_s"] > 0
+
+
 def test_train_throughput_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"),
                         "--preset", "tiny", "--optimizers", "racs", "--steps", "1",
