@@ -332,19 +332,14 @@ class _Rotation:
                                                   (c % self.interval) == 0)
       out, inner_state = self.rotated_update(lv, bases, eigs, inner_state)
     else:  # SOAP: step 1 only initialises; later: update, then statistics and refresh
-      def first_step():
-        st2 = self.stats_all(lv, st)
-        return ([jnp.zeros_like(gc) for gc in lv.gcs], st2,
-                *self.refresh_all(lv, st2, bases, eigs, inner_state, jnp.bool_(True),
-                                  jnp.bool_(True)))
-
-      def later_step():
-        out, ist = self.rotated_update(lv, bases, eigs, inner_state)
-        st2 = self.stats_all(lv, st)
-        return (out, st2, *self.refresh_all(lv, st2, bases, eigs, ist, jnp.bool_(False),
-                                            (c % self.interval) == 0))
-
-      out, st, bases, eigs, inner_state = jax.lax.cond(c == 0, first_step, later_step)
+      # only the update is conditional: one copy of the refresh machinery is compiled
+      # (step 1's refresh is the eigh branch of the same switch, 0 % interval == 0)
+      out, inner_state = jax.lax.cond(
+          c == 0, lambda: ([jnp.zeros_like(gc) for gc in lv.gcs], inner_state),
+          lambda: self.rotated_update(lv, bases, eigs, inner_state))
+      st = self.stats_all(lv, st)
+      bases, eigs, inner_state = self.refresh_all(lv, st, bases, eigs, inner_state, c == 0,
+                                                  (c % self.interval) == 0)
     side = lambda k: RotateSideState(stats=lv.un(st[k]), basis=lv.un(bases[k]),  # noqa: E731
                                      eig=lv.un(eigs[k]))
     return lv.to_leaves(out), RotateState(count=optax.safe_int32_increment(c), left=side("l"),
