@@ -13,6 +13,10 @@ interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
 ``--compile-only`` lowers and compiles each update on abstract shapes (no arrays, no
 timing runs) and prints compile seconds and their ratio to Adam's, each optimizer
 between two Adam compiles (their mean is the reference: load on the machine drifts).
+``--stacked`` gives it the tree of a model that stacks its layers (``nnx.scan``-style:
+one ``[L, m, n]`` leaf per layer parameter, routed with ``fo.MatrixDims()``, norm
+stacks ``[L, d]`` to the fallback), the layout of scanned-layer LLaMA implementations;
+``--layers`` overrides the preset's depth (compile time against depth).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import fisher_optax as fo
 from examples.llama import presets
 from examples.llama.model import Llama
 
@@ -60,12 +65,33 @@ def setup(name: str, preset: str):
   return step, grads, state, params, compile_s
 
 
-def compile_seconds(name: str, preset: str) -> float:
-  """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
-  cfg = presets.model_config(preset)
+def abstract_params(preset: str, *, stacked: bool = False, layers: int | None = None):
+  """``preset``'s parameter shapes (abstract), per-layer leaves or stacked ``[L, ...]``;
+  returns ``(params, dims)``, ``dims`` None for the per-layer tree."""
+  overrides = {} if layers is None else dict(layers=layers)
+  cfg = presets.model_config(preset, **overrides)
   params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.state(Llama(cfg, nnx.Rngs(0)),
                                                               nnx.Param)))
-  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3)
+  if not stacked:
+    return params, None
+  per_layer = [params["layers"][i] for i in sorted(params["layers"])]
+  params = dict(params, layers=jax.tree.map(
+      lambda *xs: jax.ShapeDtypeStruct((len(xs),) + xs[0].shape, xs[0].dtype), *per_layer))
+
+  def dims_of(path, x):
+    if len(x.shape) < 2 or "norm" in jax.tree_util.keystr(path):
+      return fo.NOT_A_MATRIX
+    return fo.MatrixDims()
+
+  return params, jax.tree_util.tree_map_with_path(dims_of, params)
+
+
+def compile_seconds(name: str, preset: str, *, stacked: bool = False,
+                    layers: int | None = None) -> float:
+  """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
+  params, dims = abstract_params(preset, stacked=stacked, layers=layers)
+  kw = {} if dims is None or name in ("adam", "adamw", "muon") else dict(dims=dims)
+  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3, **kw)
   state = jax.eval_shape(tx.init, params)
   jax.clear_caches()
   t0 = time.perf_counter()
@@ -73,14 +99,15 @@ def compile_seconds(name: str, preset: str) -> float:
   return time.perf_counter() - t0
 
 
-def compile_only(names, preset, as_json):
-  results, adam = [], compile_seconds("adam", preset)
+def compile_only(names, preset, as_json, *, stacked=False, layers=None):
+  kw = dict(stacked=stacked, layers=layers)
+  results, adam = [], compile_seconds("adam", preset, **kw)
   for name in names:
-    c = compile_seconds(name, preset)
-    adam_next = compile_seconds("adam", preset)
+    c = compile_seconds(name, preset, **kw)
+    adam_next = compile_seconds("adam", preset, **kw)
     ref = 0.5 * (adam + adam_next)
-    results.append(dict(optimizer=name, preset=preset, compile_s=c, adam_compile_s=ref,
-                        ratio_compile=c / ref))
+    results.append(dict(optimizer=name, preset=preset, stacked=stacked, layers=layers,
+                        compile_s=c, adam_compile_s=ref, ratio_compile=c / ref))
     if not as_json:
       print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x", flush=True)
     adam = adam_next
@@ -105,10 +132,16 @@ def main():
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--compile-only", action="store_true",
                   help="compile each update on abstract shapes; no timing runs")
+  ap.add_argument("--stacked", action="store_true",
+                  help="with --compile-only: layers stacked as [L, m, n] leaves (nnx.scan-style)")
+  ap.add_argument("--layers", type=int, default=None,
+                  help="with --compile-only: override the preset's number of layers")
   args = ap.parse_args()
   names = [n for n in args.optimizers.split(",") if n]
   if args.compile_only:
-    return compile_only(names, args.preset, args.json)
+    return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers)
+  if args.stacked or args.layers is not None:
+    ap.error("--stacked and --layers apply to --compile-only")
   adam = setup("adam", args.preset)
   results = []
   for name in names:

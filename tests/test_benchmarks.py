@@ -4,6 +4,7 @@ import subprocess
 import sys
 import pathlib
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,6 +38,30 @@ def test_step_time_compile_only_runs_on_tiny():
                        capture_output=True, text=True, timeout=600, check=True)
   (row,) = json.loads(out.stdout)
   assert row["optimizer"] == "apollo_mini" and row["compile_s"] > 0 and row["adam_compile_s"] > 0
+
+
+def test_step_time_stacked_tree_routes_layer_stacks():
+  """``--stacked``: one ``[L, ...]`` leaf per layer parameter; kernels routed as stacks of
+  matrices, norm stacks to the fallback; the compile-only path runs on it."""
+  import json
+  import fisher_optax as fo
+  from benchmarks import step_time
+  params, dims = step_time.abstract_params("tiny", stacked=True, layers=3)
+  flat, _ = step_time.abstract_params("tiny", layers=3)
+  assert sorted(params["layers"]) == sorted(flat["layers"][0])
+  mask = fo.default_mask(params, dims)
+  for x in jax.tree_util.tree_leaves(params["layers"]):
+    assert x.shape[0] == 3
+  routed = {fo.routing.path_to_str(k): v
+            for k, v in jax.tree_util.tree_leaves_with_path(mask["layers"])}
+  assert routed["attn/q_proj/kernel"] and routed["mlp/down_proj/kernel"]
+  assert not routed["attn_norm/weight"] and not routed["mlp_norm/weight"]
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
+                        "tiny", "--optimizers", "racs", "--compile-only", "--stacked",
+                        "--layers", "3", "--json"],
+                       capture_output=True, text=True, timeout=600, check=True)
+  (row,) = json.loads(out.stdout)
+  assert row["stacked"] and row["layers"] == 3 and row["compile_s"] > 0
 
 
 def test_train_throughput_benchmark_runs_on_tiny():
