@@ -49,10 +49,11 @@ def interval_of(name: str, preset: str) -> int:
       name, presets.LOW_RANK[preset][2])
 
 
-def setup(name: str, preset: str):
+def setup(name: str, preset: str, stack_matrices: bool = False):
   cfg = presets.model_config(preset)
   params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
-  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3)
+  kw = dict(stack_matrices=True) if stack_matrices and name not in ("adamw", "muon") else {}
+  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3, **kw)
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), p.shape, p.dtype) * 1e-2,
                        params)
   step = jax.jit(tx.update)
@@ -87,10 +88,13 @@ def abstract_params(preset: str, *, stacked: bool = False, layers: int | None = 
 
 
 def compile_seconds(name: str, preset: str, *, stacked: bool = False,
-                    layers: int | None = None) -> float:
+                    layers: int | None = None, stack_matrices: bool = False) -> float:
   """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
   params, dims = abstract_params(preset, stacked=stacked, layers=layers)
-  kw = {} if dims is None or name in ("adam", "adamw", "muon") else dict(dims=dims)
+  ours = name not in ("adam", "adamw", "muon")
+  kw = {} if dims is None or not ours else dict(dims=dims)
+  if stack_matrices and ours:
+    kw["stack_matrices"] = True
   tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3, **kw)
   state = jax.eval_shape(tx.init, params)
   jax.clear_caches()
@@ -99,14 +103,15 @@ def compile_seconds(name: str, preset: str, *, stacked: bool = False,
   return time.perf_counter() - t0
 
 
-def compile_only(names, preset, as_json, *, stacked=False, layers=None):
+def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices=False):
   kw = dict(stacked=stacked, layers=layers)
   results, adam = [], compile_seconds("adam", preset, **kw)
   for name in names:
-    c = compile_seconds(name, preset, **kw)
+    c = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
     adam_next = compile_seconds("adam", preset, **kw)
     ref = 0.5 * (adam + adam_next)
     results.append(dict(optimizer=name, preset=preset, stacked=stacked, layers=layers,
+                        stack_matrices=stack_matrices,
                         compile_s=c, adam_compile_s=ref, ratio_compile=c / ref))
     if not as_json:
       print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x", flush=True)
@@ -136,16 +141,19 @@ def main():
                   help="with --compile-only: layers stacked as [L, m, n] leaves (nnx.scan-style)")
   ap.add_argument("--layers", type=int, default=None,
                   help="with --compile-only: override the preset's number of layers")
+  ap.add_argument("--stack-matrices", action="store_true",
+                  help="build the fisher_optax optimizers with stack_matrices=True")
   args = ap.parse_args()
   names = [n for n in args.optimizers.split(",") if n]
   if args.compile_only:
-    return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers)
+    return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers,
+                        stack_matrices=args.stack_matrices)
   if args.stacked or args.layers is not None:
     ap.error("--stacked and --layers apply to --compile-only")
   adam = setup("adam", args.preset)
   results = []
   for name in names:
-    step, grads, state, params, compile_s = setup(name, args.preset)
+    step, grads, state, params, compile_s = setup(name, args.preset, args.stack_matrices)
     k = interval_of(name, args.preset)
     # states just before an ordinary step (count 1) and just before a refresh (count k)
     ordinary_state = state

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, routing, stacking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,8 @@ def describe(tx: Any, params: Any) -> Description:
     dims = [None] * len(flat)
     name, rank, note = "?", None, "not a fisher_optax named optimizer: rules unknown"
   counts = _state_numbers_by_leaf(tx, params, [p for p, _ in flat])
+  if routed is not None and routed.info.get("stack_matrices"):
+    _add_stacked_state(counts, routed, params)
   rows = []
   for (path, x), label, d, n in zip(flat, labels, dims, counts):
     shape = tuple(np.shape(x))
@@ -101,6 +103,22 @@ def describe(tx: Any, params: Any) -> Description:
                             name if label == "structured" else "fallback", view, r, n,
                             2 * size))
   return Description(tuple(rows), note)
+
+
+def _add_stacked_state(counts: list, routed, params) -> None:
+  """Under ``stack_matrices=True``: each stack's state numbers go to its member leaves
+  in proportion to their matrices (every matrix of a stack holds the same state)."""
+  plan, index = stacking.plan_routed(params, routed.labels(params), routed.dims)
+  per_group = dict.fromkeys(plan.groups, 0)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.eval_shape(routed.init, params))[0]:
+    name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)
+                 and k.key in per_group), None)
+    if name is not None:
+      per_group[name] += int(math.prod(getattr(leaf, "shape", ())))
+  for name, members in plan.groups.items():
+    total = sum(plan.views[j].num_matrices for j in members)
+    for j in members:
+      counts[index[j]] += per_group[name] * plan.views[j].num_matrices // total
 
 
 def _state_numbers_by_leaf(tx, params, param_paths) -> list[int]:

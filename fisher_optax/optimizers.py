@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, routing, validation
+from fisher_optax import matrices, routing, stacking, validation
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
@@ -49,6 +49,11 @@ _COMMON_ARGS = """\
       :func:`~fisher_optax.flax_dims` for a Flax NNX model); other axes are stacks of
       independent matrices. Default ``None``: 2-D leaves as ``(m, n)``, leaves with more
       dims to the fallback.
+    stack_matrices: run the structured rule on same-shape matrices stacked into one
+      ``(k, m, n)`` array per shape (:func:`~fisher_optax.stacking.stack_matrices`):
+      the same per-matrix update, state stored per shape instead of per leaf, compile
+      time flat in depth for models with one leaf per layer (default ``False``).
+      Matrices that draw random numbers (switching, APOLLO) get other draws.
     fallback: transformation for the other leaves (default ``optax.adam(learning_rate)``
       run in float32), e.g. ``optax.adamw(lr, weight_decay=0.1)``."""
 
@@ -94,8 +99,14 @@ def _ex(call: str) -> str:
   return _EXAMPLE.format(call=call)
 
 
+def _block_dims(dims: matrices.DimsSpec, stack_matrices: bool) -> matrices.DimsSpec:
+  """The blocks' ``dims``: under ``stack_matrices`` they see ``(k, fan_in, fan_out)``
+  stacks (the last two axes), otherwise the leaves themselves."""
+  return None if stack_matrices else dims
+
+
 def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0, *,
-            name: str = "structured", rank: Optional[int] = None):
+            name: str = "structured", rank: Optional[int] = None, stack: bool = False):
   """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
 
   ``W <- W - lr * (direction + weight_decay * W)`` as in ``optax.adamw`` (Loshchilov &
@@ -109,9 +120,11 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
   decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
            else [optax.add_decayed_weights(weight_decay)])
   structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
+  if stack:
+    structured = stacking.stack_matrices(structured, dims=dims)
   fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
-                       info=dict(name=name, rank=rank))
+                       info=dict(name=name, rank=rank, stack_matrices=stack))
 
 
 @_documented(_ex('racs(1e-2)'))
@@ -119,6 +132,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: matrices.DimsSpec = None,
+         stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""RACS, row and column scaled SGD (paper Sec. 4, Alg. "RACS").
@@ -145,11 +159,13 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
     eps: relative floor of the scales (``max(s) * eps``).
 {common}
   """
-  blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=dims)]
+  bd = _block_dims(dims, stack_matrices)
+  blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=bd)]
   if limiter is not None:
-    blocks.append(norm_growth_limiter(limiter, dims=dims))
+    blocks.append(norm_growth_limiter(limiter, dims=bd))
   blocks.append(optax.scale(alpha))
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="racs")
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="racs")
 
 
 def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, seed,
@@ -176,6 +192,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
           eps: float = 1e-8, seed: int = 0,
           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
           dims: matrices.DimsSpec = None,
+          stack_matrices: bool = False,
           fallback: Optional[optax.GradientTransformation] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice, low-rank Eigen-Adam with tracking, switching and compensation (paper Sec. 5.4,
@@ -215,12 +232,14 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
     state_dtype: dtype of ``U``, ``Q~`` and the moments in the state (default float32;
       decompositions always run in float32).
   """
+  bd = _block_dims(dims, stack_matrices)
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
-                              seed=seed, dims=dims, state_dtype=state_dtype)
+                              seed=seed, dims=bd, state_dtype=state_dtype)
                  + [optax.scale(alpha)],
                  learning_rate, mask, dims, fallback,
-                 weight_decay, name="alice", rank=rank)
+                 weight_decay,
+                 stack=stack_matrices, name="alice", rank=rank)
 
 
 @_documented(_ex('alice0(1e-2, rank=4, leading=1)'))
@@ -229,6 +248,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
            dims: matrices.DimsSpec = None,
+           stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-0: :func:`alice` without tracking (``b3 = 0``: no ``r x r`` state; paper Sec.
@@ -256,12 +276,14 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
+  bd = _block_dims(dims, stack_matrices)
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
-                              seed=seed, dims=dims, state_dtype=state_dtype)
+                              seed=seed, dims=bd, state_dtype=state_dtype)
                  + [optax.scale(alpha)],
                  learning_rate, mask, dims, fallback,
-                 weight_decay, name="alice0", rank=rank)
+                 weight_decay,
+                 stack=stack_matrices, name="alice0", rank=rank)
 
 
 @_documented(_ex('alice_soap(1e-2, rank=4, leading=1)'))
@@ -271,6 +293,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
                seed: int = 0, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                dims: matrices.DimsSpec = None,
+               stack_matrices: bool = False,
                fallback: Optional[optax.GradientTransformation] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-SOAP: a two-sided low-rank SOAP from the paper's tracking / switching /
@@ -324,6 +347,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
     state_dtype: dtype of the bases, tracked statistics and moments in the state
       (default float32; decompositions always run in float32).
   """
+  bd = _block_dims(dims, stack_matrices)
   right_rank = rank if right_rank is None else right_rank
   validation.check_int("right_rank", right_rank, low=1)  # the right chain calls it `rank`
   common = dict(leading=leading, interval=interval, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
@@ -336,9 +360,10 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
   # Alice on the larger side of the r x n coefficients (dims: they are canonical arrays)
   right = _alice_chain(rank=right_rank, seed=seed + 1, dims=None, side="larger",
                        core=moments, **common)
-  blocks = _alice_chain(rank=rank, seed=seed, dims=dims, core=optax.chain(*right), **common)
+  blocks = _alice_chain(rank=rank, seed=seed, dims=bd, core=optax.chain(*right), **common)
   return _finish(blocks + [optax.scale(alpha)], learning_rate, mask, dims, fallback,
-                 weight_decay, name="alice_soap", rank=rank)
+                 weight_decay,
+                 stack=stack_matrices, name="alice_soap", rank=rank)
 
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
@@ -352,6 +377,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
            dims: matrices.DimsSpec = None,
+           stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""GaLore (Zhao et al. 2024, arXiv:2403.03507; paper App. "Low rank optimizers"), as its
@@ -377,9 +403,11 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
+  bd = _block_dims(dims, stack_matrices)
+  blocks = _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
       project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="galore",
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="galore",
                  rank=rank)
 
 
@@ -389,6 +417,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          limiter: Optional[float] = 1.01,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: matrices.DimsSpec = None,
+         stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None,
          state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Fira (Chen et al. 2024, arXiv:2410.01623): GaLore plus the norm-based scaled residual
@@ -415,10 +444,12 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  blocks = _galore_head(rank, interval, b1, b2, eps, dims, state_dtype) + [
-      compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=dims),
+  bd = _block_dims(dims, stack_matrices)
+  blocks = _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
+      compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=bd),
       scale_by_bias_correction(b1, b2)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="fira",
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="fira",
                  rank=rank)
 
 
@@ -439,6 +470,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                max_precond_dim: Optional[int] = None,
                weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                dims: matrices.DimsSpec = None,
+               stack_matrices: bool = False,
                fallback: Optional[optax.GradientTransformation] = None
                ) -> optax.GradientTransformationExtraArgs:
   r"""Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, Alg. "Eigen-Adam").
@@ -462,10 +494,12 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
+  bd = _block_dims(dims, stack_matrices)
   blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh="eigh", reexpress=("mu",),
-                   max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="eigen_adam")
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="eigen_adam")
 
 
 @_documented(_ex('soap(1e-3, precondition_frequency=2)'))
@@ -474,6 +508,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: matrices.DimsSpec = None,
+         stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SOAP (Vyas et al. 2024, arXiv:2409.11321; paper Sec. 3.5, App. "SOAP/AdaDiag++"), as
@@ -500,14 +535,16 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
+  bd = _block_dims(dims, stack_matrices)
   # rotate calls it `interval`: an error should name the argument the user passed
   validation.check_int("precondition_frequency", precondition_frequency, low=1)
   inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
   blocks = [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
-                   max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="soap")
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="soap")
 
 
 @_documented(_ex('shampoo(1e-3, interval=2)'))
@@ -515,6 +552,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
             max_precond_dim: Optional[int] = None,
             weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
             dims: matrices.DimsSpec = None,
+            stack_matrices: bool = False,
             fallback: Optional[optax.GradientTransformation] = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""Shampoo (Gupta et al. 2018, arXiv:1802.09568; paper Sec. 3.2, App. "Shampoo").
@@ -536,11 +574,13 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
       static.
 {common}
   """
+  bd = _block_dims(dims, stack_matrices)
   validation.check_range("eps", eps, low=0.0, high=float("inf"))  # rotate's `stats_eps`
   blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
-                   stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="shampoo")
+                   stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="shampoo")
 
 
 def _precond_limit(max_precond_dim):
@@ -559,17 +599,19 @@ shampoo.static_args = ("max_precond_dim",)
 
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
-            dims, fallback, weight_decay):
+            dims, stack_matrices, fallback, weight_decay):
   validation.check_range("scale", scale, low=0.0, high=float("inf"))  # used here: sqrt
-  project = random_project(rank=rank, interval=interval, seed=seed, dims=dims)
+  bd = _block_dims(dims, stack_matrices)
+  project = random_project(rank=rank, interval=interval, seed=seed, dims=bd)
   blocks = [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),
             scale_by_subspace_ratio(kind)]
   if limiter is not None:
-    blocks.append(norm_growth_limiter(limiter, dims=dims))
+    blocks.append(norm_growth_limiter(limiter, dims=bd))
   blocks += [optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
              else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
-                 name="apollo" if kind == "channel" else "apollo_mini", rank=rank)
+                 name="apollo" if kind == "channel" else "apollo_mini", rank=rank,
+                 stack=stack_matrices)
 
 
 @_documented(_ex('apollo(1e-2, rank=4)'))
@@ -578,6 +620,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            limiter: Optional[float] = 1.01, seed: int = 0,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
            dims: matrices.DimsSpec = None,
+           stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None
            ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO (Zhu et al. 2024, arXiv:2412.05270; paper App. "Apollo"), as its release:
@@ -604,6 +647,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   """
   return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
                  b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
+                 stack_matrices=stack_matrices,
                  fallback=fallback, weight_decay=weight_decay)
 
 
@@ -613,6 +657,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 limiter: Optional[float] = 1.01, seed: int = 0,
                 weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
                 dims: matrices.DimsSpec = None,
+                stack_matrices: bool = False,
                 fallback: Optional[optax.GradientTransformation] = None
                 ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO-mini (Zhu et al. 2024, arXiv:2412.05270): :func:`apollo` at rank 1 with
@@ -634,6 +679,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
   """
   return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
                  b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
+                 stack_matrices=stack_matrices,
                  fallback=fallback, weight_decay=weight_decay)
 
 
@@ -648,6 +694,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: matrices.DimsSpec = None,
+         stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SWAN (Ma et al. 2024, arXiv:2412.13148; paper App. "SWAN", Sec. 3.3): stateless
@@ -672,10 +719,12 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
     eps: floor of the normalizations.
 {common}
   """
-  blocks = [normalize(axis="rows", center=True, eps=eps, dims=dims),
-            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
-            scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="swan")
+  bd = _block_dims(dims, stack_matrices)
+  blocks = [normalize(axis="rows", center=True, eps=eps, dims=bd),
+            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=bd),
+            scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="swan")
 
 
 @_documented(_ex('muon(1e-3)'))
@@ -683,6 +732,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
          steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
          eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
          dims: matrices.DimsSpec = None,
+         stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Muon by composition (Jordan et al. 2024; paper App. "Muon"): whitening of the
@@ -709,10 +759,12 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
     eps: floor of the Newton--Schulz normalization.
 {common}
   """
+  bd = _block_dims(dims, stack_matrices)
   blocks = [scale_by_momentum(beta, nesterov=nesterov),
-            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=dims),
-            scale_by_shape(consistent_rms=consistent_rms, dims=dims)]
-  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay, name="muon")
+            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=bd),
+            scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 stack=stack_matrices, name="muon")
 
 
 swan.static_args = ("steps",)

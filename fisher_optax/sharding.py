@@ -14,7 +14,10 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
   axis only, tracked ``r x r`` states, eigenvalues and PRNG keys (``replicated``) are
   replicated, as is every leaf not attributable to a parameter (step counters);
 * a mesh axis is used at most once per spec, and only where the size divides (when a
-  ``mesh`` is given).
+  ``mesh`` is given);
+* under ``stack_matrices=True`` the structured rule's state belongs to the stacks of
+  :mod:`fisher_optax.stacking` (one per parameter of a layer): their matrix axes follow
+  their members' specs, their stack axis is replicated.
 
 All of this only decides *layouts*; results do not depend on it (tests compare sharded
 with single-device runs).
@@ -27,7 +30,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, routing, stacking
 
 # Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
 # attribute ({field: role}); undeclared fields are "auto" (matched by size).
@@ -152,6 +155,8 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
   d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
   by_path = {tuple(path): (leaf.shape, spec, d)
              for (path, leaf), spec, d in zip(p_leaves, s_leaves, d_leaves)}
+  if isinstance(tx, routing.RoutedTransformation) and tx.info.get("stack_matrices"):
+    by_path.update(_stacked_params(tx, params, s_leaves, dims))
   max_len = max((len(k) for k in by_path), default=0)
 
   roles = field_roles(state_shapes)
@@ -167,6 +172,24 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
     return P()
 
   return jax.tree_util.tree_map_with_path(spec_for, state_shapes)
+
+
+def _stacked_params(tx, params, spec_leaves, dims) -> dict:
+  """Under ``stack_matrices=True`` the structured rule's state belongs to stacks
+  ``(k, fan_in, fan_out)`` named by group (:mod:`fisher_optax.stacking`): each is a
+  virtual parameter, its matrix axes sharded like its members' (where they all agree),
+  its stack axis replicated."""
+  plan, index = stacking.plan_routed(params, tx.labels(params), dims)
+  out = {}
+  for name, members in plan.groups.items():
+    views = [plan.views[j] for j in members]
+    entries = [_spec_entries(spec_leaves[index[j]], len(v.shape)) for j, v in zip(members, views)]
+    rows = {e[v.rows[0]] for e, v in zip(entries, views)}
+    cols = {e[v.cols[0]] for e, v in zip(entries, views)}
+    shape = (sum(v.num_matrices for v in views), views[0].fan_in, views[0].fan_out)
+    spec = P(None, rows.pop() if len(rows) == 1 else None, cols.pop() if len(cols) == 1 else None)
+    out[(jax.tree_util.DictKey(name),)] = (shape, spec, matrices.MatrixDims())
+  return out
 
 
 def state_shardings(tx, params: Any, param_specs: Any, mesh: Mesh, **kw) -> Any:
