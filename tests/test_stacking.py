@@ -162,3 +162,21 @@ def test_stacked_state_shards_like_the_layers_and_runs_sharded(name):
   multi = run(p_sh, jax.jit(tx.init, out_shardings=state_sh)(p_sh), True)
   for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(multi)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["racs", "alice", "soap"])
+def test_a_nan_gradient_stays_in_its_own_matrix_of_the_stack(name):
+  """As per leaf: a NaN in layer 0's gradient poisons layer 0 only, not the layers
+  stacked with it."""
+  params = {"layers": {i: {"q": jax.random.normal(jax.random.PRNGKey(i), (6, 10))}
+                       for i in range(3)}}
+  tx = getattr(fo, name)(0.01, **dict(NAMED_KW[name], stack_matrices=True))
+  state, p = tx.init(params), params
+  for t in range(4):
+    g = grads_at(params, t)
+    if t == 2:
+      g["layers"][0]["q"] = g["layers"][0]["q"].at[0, 0].set(jnp.nan)
+    u, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, u)
+  finite = [bool(jnp.all(jnp.isfinite(p["layers"][i]["q"]))) for i in range(3)]
+  assert finite == [False, True, True], (name, finite)
