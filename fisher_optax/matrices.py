@@ -343,7 +343,7 @@ class Lifted:
                     for o, v, g in zip(canonical, self.views, self.leaves)])
 
 
-def map_grouped(fn, items: list) -> list:
+def map_grouped(fn, items: list, *, batched: bool = False) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -351,7 +351,9 @@ def map_grouped(fn, items: list) -> list:
   arguments have the same shapes are concatenated along the stack axis and served by one
   :func:`fisher_optax.linalg.map_matrices` call (every layer's ``q_proj`` becomes one
   decomposition call, which keeps compile time flat in depth); the results are split
-  back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
+  back. ``batched=True``: ``fn`` takes whole stacks (e.g. a batched matmul) and is called
+  on the concatenated stack directly. Returns, per item, ``fn``'s output pytree with a
+  leading axis ``b_i``.
   """
   groups: dict = {}
   for j, args in enumerate(items):
@@ -360,9 +362,13 @@ def map_grouped(fn, items: list) -> list:
   out = [None] * len(items)
   for members in groups.values():
     cat = [None if items[members[0]][a] is None
+           else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))]
-    res = linalg.map_matrices(fn, *cat)
+    res = fn(*cat) if batched else linalg.map_matrices(fn, *cat)
+    if len(members) == 1:
+      out[members[0]] = res
+      continue
     start = 0
     for j in members:
       size = next(a.shape[0] for a in items[j] if a is not None)

@@ -26,14 +26,14 @@ CONFIGS = {
 }
 
 
-def _picker(shape, b, seed=0, leaf_index=0):
-  """The library's random complement draw for slice ``b`` (the only shared piece)."""
-  batch = tuple(shape[:-2])
+def _picker(index, total, seed=0):
+  """The library's random complement draw for matrix ``index`` of a tracked tree of
+  ``total`` matrices whose complements all have the same size (the only shared piece)."""
 
   def pick(t, num_complement, k):
-    keys = switching.refresh_keys(jax.random.PRNGKey(seed), leaf_index, jnp.int32(t - 1), batch)
-    key = keys.reshape((-1,) + keys.shape[len(batch):])[b]
-    return np.asarray(switching.complement_indices(key, num_complement, k))
+    words = switching.refresh_noise(jax.random.PRNGKey(seed), jnp.int32(t - 1), total,
+                                    num_complement)
+    return np.asarray(switching.complement_indices(words[index, :num_complement], k))
 
   return pick
 
@@ -47,18 +47,21 @@ def run_library(name, shape, grads, **kw):
   return run_opt(getattr(fo, name)(LR, **{"dims": STACK, **kw}), grads, shape)
 
 
-def run_reference(name, shape, grads, leaf_index=0, **kw):
+def run_reference(name, shape, grads, first=0, total=None, **kw):
+  """Dense references of every matrix of ``shape``; its matrices are ``first, first + 1,
+  ...`` of a tracked tree of ``total`` (default: this leaf alone)."""
   *batch, m, n = shape
   nb = int(np.prod(batch)) if batch else 1
+  total = nb if total is None else total
   refs = [reference.make(name, m, n, lr=LR, **kw) for _ in range(nb)]
   outs = []
   for g in grads:
     g = np.asarray(g, np.float32).astype(np.float64).reshape((nb, m, n))
     steps = []
     for b, ref in enumerate(refs):
-      kwargs = {} if name == "racs" else {"pick": _picker(shape, b, leaf_index=leaf_index)}
+      kwargs = {} if name == "racs" else {"pick": _picker(first + b, total)}
       if name == "alice_soap":  # the right basis draws with seed + 1 (alice_soap's docs)
-        kwargs["pick_right"] = _picker(shape, b, seed=1, leaf_index=leaf_index)
+        kwargs["pick_right"] = _picker(first + b, total, seed=1)
       steps.append(ref.step(g[b], **kwargs))
     outs.append(np.stack(steps).reshape(shape))
   return outs
@@ -87,8 +90,10 @@ def check_tree_against_references(name, tree, lib_kw, ref_kw, steps, tol):
   grads = {k: structured_grads(shape, steps, seed=3 + i) for i, (k, shape) in
            enumerate(sorted(tree.items()))}
   lib = run_library_tree(getattr(fo, name)(LR, **{"dims": STACK, **lib_kw}), grads)
-  for i, (k, shape) in enumerate(sorted(tree.items())):  # leaf index = flatten order
-    ref = run_reference(name, shape, grads[k], leaf_index=i, **ref_kw)
+  counts = [int(np.prod(shape[:-2])) for _, shape in sorted(tree.items())]
+  for i, (k, shape) in enumerate(sorted(tree.items())):  # flatten order
+    ref = run_reference(name, shape, grads[k], first=sum(counts[:i]), total=sum(counts),
+                        **ref_kw)
     for t, (a, b) in enumerate(zip(lib[k], ref), start=1):
       err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
       assert err < tol, f"{name} leaf {k} step {t}: relative error {err:.2e}"

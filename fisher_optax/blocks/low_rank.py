@@ -246,37 +246,54 @@ class _Tracker:
 
   def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
-    ``[matrices, ...]`` arrays. Same-shape matrices (e.g. every layer's q_proj) share one
-    decomposition call (matrices.map_grouped), and one lax.switch (keep / first refresh /
-    refresh) holds every refresh of the tree; stacking happens inside the refresh
-    branches, so an ordinary step copies nothing."""
-    count, flat_u, flat_q = state.count, [], []
+    ``[matrices, ...]`` arrays. One lax.switch (keep / first refresh / refresh) holds every
+    refresh of the tree, so an ordinary step runs none of this; inside it the policy's
+    operand (switching: ``G G^T``) is formed per gradient shape and the refresh runs once
+    per operand shape (matrices.map_grouped: every layer's q_proj, and with the Gram every
+    matrix of one ``m``, share one decomposition call)."""
+    del v_leaves
+    flat_g, flat_u, flat_q = [], [], []
     for gc, u_old, q_old in zip(gcs, u_leaves, q_leaves):
       m, r = gc.shape[-2], u_old.shape[-1]
+      flat_g.append(gc.reshape((-1,) + gc.shape[-2:]))
       flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
       flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
-    flat_k = ([k.reshape(-1, *state.key.shape) for k in switching_lib.refresh_keys_all(
-        state.key, count, [v.batch_shape for v in v_leaves])] if self.policy.random
-              else [None] * len(gcs))
 
-    def branch(fn):
+    def branch(fn, draws):
       def run(ops):
-        outs = matrices.map_grouped(fn, [(g.reshape((-1,) + g.shape[-2:]), u, q, k)
-                                       for g, u, q, k in zip(*ops)])
+        gs, us, qs, key = ops
+        xs = matrices.map_grouped(self.policy.operand, [(g,) for g in gs], batched=True)
+        noise = (self.noise(key, state.count, gs, us) if draws else [None] * len(gs))
+        outs = matrices.map_grouped(fn, list(zip(xs, us, qs, noise)))
         return [o[0] for o in outs], [o[1] for o in outs]
       return run
 
+    count = state.count
     which = jnp.where((count % self.interval) == 0, jnp.where(count == 0, 1, 2), 0)
     return jax.lax.switch(
-        which, [lambda ops: (ops[1], ops[2]), branch(self.first_matrix),
-                branch(self.refresh_matrix)], (gcs, flat_u, flat_q, flat_k))
+        which, [lambda ops: (ops[1], ops[2]), branch(self.first_matrix, False),
+                branch(self.refresh_matrix, self.policy.random)],
+        (flat_g, flat_u, flat_q, state.key))
 
-  def first_matrix(self, g1, u1, q1, k1):
-    del k1
-    return _keep_finite(self.policy.first(g1, u1.shape[-1]), u1, q1)
+  def noise(self, key, count, gs, us):
+    """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
+    :func:`~fisher_optax.blocks.switching.refresh_noise` draw, matrix ``j`` of the tree
+    (leaves in order, stacks flattened) taking row ``j``."""
+    sizes = [self.policy.noise_size(g.shape[-2], u.shape[-1]) for g, u in zip(gs, us)]
+    rows = [g.shape[0] for g in gs]
+    words = switching_lib.refresh_noise(key, count, sum(rows), max(sizes))
+    out, start = [], 0
+    for n, size in zip(rows, sizes):
+      out.append(words[start:start + n, :max(size, 1)])
+      start += n
+    return out
 
-  def refresh_matrix(self, g1, u1, q1, k1):
-    return _keep_finite(self.policy.refresh(g1, u1, q1, self.b3, k1), u1, q1)
+  def first_matrix(self, x1, u1, q1, n1):
+    del n1
+    return _keep_finite(self.policy.first_from(x1, u1.shape[-1]), u1, q1)
+
+  def refresh_matrix(self, x1, u1, q1, n1):
+    return _keep_finite(self.policy.refresh_from(x1, u1, q1, self.b3, n1), u1, q1)
 
 
 def _keep_finite(u_new, u1, q1):

@@ -21,15 +21,16 @@ They are plain frozen dataclasses (static configuration), not transformations:
 * :func:`svd_refresh` -- GaLore: top-``r`` left singular vectors of the current
   gradient at every refresh.
 
-Randomness: the PRNG key lives in the optimizer state (replicated); the key of
-leaf ``i`` at step count ``c`` is ``fold_in(fold_in(key, i), c)``, split once per
-matrix of a stack (:func:`refresh_keys`). Every device draws the same columns.
+Randomness: the PRNG key lives in the optimizer state (replicated); the refresh at
+step count ``c`` draws one ``(matrices, max m - r)`` array of 32-bit words from
+``fold_in(key, c)`` and matrix ``j`` of the tree takes row ``j`` (:func:`refresh_noise`);
+its complement columns are the first ``k`` of the argsort of its ``m - r`` words
+(:func:`complement_indices`). Every device draws the same columns.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Sequence
 
 import jax
@@ -38,33 +39,24 @@ import jax.numpy as jnp
 from fisher_optax import linalg, matrices, validation
 
 
-def refresh_keys(key: jax.Array, leaf_index: int, count: jax.Array,
-                 batch_shape: tuple[int, ...]) -> jax.Array:
-  """Per-matrix keys, shape ``batch_shape + key.shape``, for one refresh of one leaf."""
-  k = jax.random.fold_in(jax.random.fold_in(key, leaf_index), count)
-  n = 1
-  for b in batch_shape:
-    n *= b
-  keys = jax.random.split(k, n)
-  return keys.reshape(batch_shape + keys.shape[1:])
+def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,
+                  width: int) -> jax.Array:
+  """The random words of one refresh: ``(num_matrices, max(width, 1))`` uint32 from
+  ``fold_in(key, count)``; matrix ``j`` of the tracked tree (leaves in flatten order, the
+  matrices of a stack in order) reads row ``j``, its first ``m - r`` words.
+
+  One hash for the whole tree: a threefry hash compiles into a large XLA:CPU kernel
+  (~0.1 s each), so drawing per leaf or per matrix made the refresh's compile time grow
+  with the number of draws."""
+  return jax.random.bits(jax.random.fold_in(key, count), (num_matrices, max(width, 1)),
+                         jnp.uint32)
 
 
-def refresh_keys_all(key: jax.Array, count: jax.Array,
-                     batch_shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-  """:func:`refresh_keys` of every leaf (leaf ``i`` has ``batch_shapes[i]``), equal to
-  calling it leaf by leaf, with one vmapped hash per distinct stack size instead of one per
-  leaf (compile time; :func:`fisher_optax.matrices.vmap_grouped`)."""
-  sizes = [math.prod(b) for b in batch_shapes]
-  idx = [jnp.asarray(i, jnp.uint32) for i in range(len(batch_shapes))]
-  keys = matrices.vmap_grouped(
-      lambda n: lambda i: jax.random.split(jax.random.fold_in(jax.random.fold_in(key, i), count),
-                                           n), idx, sizes)
-  return [k.reshape(b + k.shape[-1:]) for k, b in zip(keys, batch_shapes)]
-
-
-def complement_indices(key: jax.Array, num_complement: int, k: int) -> jax.Array:
-  """``k`` distinct indices drawn uniformly from ``range(num_complement)``."""
-  return jax.random.permutation(key, num_complement)[:k]
+def complement_indices(noise: jax.Array, k: int) -> jax.Array:
+  """``k`` distinct indices drawn uniformly from ``range(len(noise))``: the first ``k`` of
+  the (stable) argsort of i.i.d. 32-bit words, one sort round of
+  ``jax.random.permutation``."""
+  return jnp.argsort(noise)[:k]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +71,46 @@ class Switch:
   def random(self) -> bool:
     return self.leading is not None
 
+  def operand(self, g: jax.Array) -> jax.Array:
+    """What a refresh reads of the gradient: its Gram matrix ``C = G G^T`` (``m x m``,
+    float32; ``batch + (m, n) -> batch + (m, m)``).
+
+    Reading ``C`` rather than ``G`` makes the refresh a function of ``(m, r)`` only, so
+    matrices of one ``m`` and different ``n`` (a LLaMA's attention, MLP and output
+    kernels) share one compiled refresh (:func:`fisher_optax.matrices.map_grouped`);
+    forming ``C`` costs ``m^2 n`` against the ``4 m n r`` of applying ``G G^T`` twice."""
+    g = g.astype(jnp.float32)
+    return g @ jnp.swapaxes(g, -1, -2)
+
   def first(self, g: jax.Array, r: int) -> jax.Array:
     """Step-1 basis: top-``r`` eigenvectors of ``G G^T``."""
-    g = g.astype(jnp.float32)
-    return linalg.top_eigvecs(g @ g.T, r)
+    return self.first_from(self.operand(g), r)
+
+  def first_from(self, c: jax.Array, r: int) -> jax.Array:
+    """:meth:`first` from ``C = G G^T`` (:meth:`operand`)."""
+    return linalg.top_eigvecs(c, r)
+
+  def noise_size(self, m: int, r: int) -> int:
+    """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
+    return m - r if self.random else 0
 
   def refresh(self, g: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
               b3, key: Optional[jax.Array]) -> jax.Array:
-    """New basis from ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T`` (one matrix)."""
-    g = g.astype(jnp.float32)
+    """New basis from ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T`` (one matrix); the
+    complement draw reads ``m - r`` words of ``jax.random.bits(key)``."""
+    m, r = u_old.shape
+    noise = (None if key is None or not self.noise_size(m, r)
+             else jax.random.bits(key, (m - r,), jnp.uint32))
+    return self.refresh_from(self.operand(g), u_old, q_old, b3, noise)
+
+  def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
+                   b3, noise: Optional[jax.Array]) -> jax.Array:
+    """:meth:`refresh` from ``C = G G^T`` (:meth:`operand`) and the random words ``noise``
+    (at least ``m - r`` uint32, :func:`refresh_noise`)."""
     m, r = u_old.shape
 
     def q_times(u):
-      out = (1 - b3) * (g @ (g.T @ u)) if q_old is not None else g @ (g.T @ u)
+      out = (1 - b3) * (c @ u) if q_old is not None else c @ u
       if q_old is not None:
         out = out + b3 * (u_old @ (q_old @ (u_old.T @ u)))
       return out
@@ -108,14 +127,14 @@ class Switch:
       if k_c == 0:
         return linalg.canonical_signs(ritz)
       comp = linalg.complement_basis(u1)
-      cols = [ritz[:, : r - k_c], comp[:, complement_indices(key, m - r, k_c)]]
+      cols = [ritz[:, : r - k_c], comp[:, complement_indices(noise[:m - r], k_c)]]
       return linalg.canonical_signs(jnp.concatenate(cols, axis=1))
     # traced ``leading`` (optax.inject_hyperparams): draw the largest possible number of
     # complement columns and keep the first ``k_c`` -- the same indices as above, since
     # they are a prefix of one permutation
     k_max = min(r, m - r)
     k_c = jnp.minimum(r - jnp.clip(self.leading, 0, r), m - r)
-    comp = linalg.complement_basis(u1)[:, complement_indices(key, m - r, k_max)]
+    comp = linalg.complement_basis(u1)[:, complement_indices(noise[:m - r], k_max)]
     j = jnp.arange(r)
     from_comp = j >= r - k_c
     picked = comp[:, jnp.clip(j - (r - k_c), 0, k_max - 1)]
@@ -129,12 +148,24 @@ class SvdRefresh:
   random = False
   seed = 0
 
+  def operand(self, g: jax.Array) -> jax.Array:
+    """The gradient itself (float32): an SVD reads ``G``."""
+    return g.astype(jnp.float32)
+
   def first(self, g: jax.Array, r: int) -> jax.Array:
     return linalg.top_left_singular(g, r)
+
+  first_from = first
+
+  def noise_size(self, m: int, r: int) -> int:
+    del m, r
+    return 0
 
   def refresh(self, g, u_old, q_old, b3, key):
     del q_old, b3, key
     return linalg.top_left_singular(g, u_old.shape[1])
+
+  refresh_from = refresh
 
 
 def switch(*, leading: Optional[int] = None, seed: int = 0, iters: int = 1) -> Switch:
