@@ -124,25 +124,27 @@ def test_describe_counts_the_same_state():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
 @pytest.mark.parametrize("name", ["racs", "alice"])
 def test_stacked_state_shards_like_the_layers_and_runs_sharded(name):
-  """Each group's state takes its members' matrix-axis specs (stack axis replicated),
-  and a sharded run on a 2 x 4 mesh equals the single-device run."""
-  params = {"layers": {i: {"q": jnp.zeros((8, 16)), "k": jnp.zeros((8, 16))}
-                       for i in range(2)}, "b": jnp.zeros((16,))}
-  specs = {"layers": {i: {"q": P("fsdp", "tensor"), "k": P("fsdp", "tensor")}
-                      for i in range(2)}, "b": P()}
+  """Each group's state takes its members' matrix-axis specs (stack axis replicated; for
+  a tall ``d`` too, whose low-rank state runs along its columns), and a sharded run on a
+  2 x 4 mesh equals the single-device run."""
+  params = {"layers": {i: {"q": jnp.zeros((8, 16)), "k": jnp.zeros((8, 16)),
+                           "d": jnp.zeros((16, 8))} for i in range(2)}, "b": jnp.zeros((16,))}
+  specs = {"layers": {i: {"q": P("fsdp", "tensor"), "k": P("fsdp", "tensor"),
+                          "d": P("fsdp", "tensor")} for i in range(2)}, "b": P()}
   mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tensor"))
   tx = getattr(fo, name)(0.01, **dict(NAMED_KW[name], stack_matrices=True))
   ref = getattr(fo, name)(0.01, **NAMED_KW[name])
   got = fo.state_partition_specs(tx, params, specs, mesh=mesh)
   want = fo.state_partition_specs(ref, params, specs, mesh=mesh)
-  stacked = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
-      got, is_leaf=lambda x: isinstance(x, P)) if "layers/*/q" in jax.tree_util.keystr(k)}
-  per_leaf = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
-      want, is_leaf=lambda x: isinstance(x, P)) if "[0]['q']" in jax.tree_util.keystr(k)}
-  assert len(stacked) == len(per_leaf) > 0
-  for (ks, s), (kp, p) in zip(sorted(stacked.items()), sorted(per_leaf.items())):
-    assert tuple(s) == ((None,) + tuple(p) if tuple(p) else ()), (ks, s, kp, p)
-  assert any(tuple(s) for s in stacked.values())  # something is actually sharded
+  for leaf in ("q", "d"):
+    stacked = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        got, is_leaf=lambda x: isinstance(x, P)) if f"layers/*/{leaf}" in jax.tree_util.keystr(k)}
+    per_leaf = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        want, is_leaf=lambda x: isinstance(x, P)) if f"[0]['{leaf}']" in jax.tree_util.keystr(k)}
+    assert len(stacked) == len(per_leaf) > 0
+    for (ks, s), (kp, p) in zip(sorted(stacked.items()), sorted(per_leaf.items())):
+      assert tuple(s) == ((None,) + tuple(p) if tuple(p) else ()), (ks, s, kp, p)
+    assert any(tuple(s) for s in stacked.values())  # something is actually sharded
 
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                            is_leaf=lambda x: isinstance(x, P))
