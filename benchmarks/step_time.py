@@ -12,7 +12,8 @@ interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
 
 ``--compile-only`` lowers and compiles each update on abstract shapes (no arrays, no
 timing runs) and prints compile seconds and their ratio to Adam's, each optimizer
-between two Adam compiles (their mean is the reference: load on the machine drifts).
+between two Adam compiles (their mean is the reference: load on the machine drifts);
+``--repeat N`` does that N times per optimizer and reports the fastest round.
 ``--stacked`` gives it the tree of a model that stacks its layers (``nnx.scan``-style:
 one ``[L, m, n]`` leaf per layer parameter, routed with ``fo.MatrixDims()``, norm
 stacks ``[L, d]`` to the fallback), the layout of scanned-layer LLaMA implementations;
@@ -103,19 +104,32 @@ def compile_seconds(name: str, preset: str, *, stacked: bool = False,
   return time.perf_counter() - t0
 
 
-def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices=False):
+def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices=False,
+                 repeat=1):
+  """Compile seconds per optimizer and their ratio to Adam's. Each of ``repeat`` rounds
+  compiles the optimizer between two Adam compiles; the figures are the best (least
+  loaded) of the rounds: the optimizer's fastest compile over the mean of the Adam
+  compiles around it in that round (a 2-core machine's readings of one build move by
+  ~15%)."""
   kw = dict(stacked=stacked, layers=layers)
   results, adam = [], compile_seconds("adam", preset, **kw)
   for name in names:
-    c = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
-    adam_next = compile_seconds("adam", preset, **kw)
-    ref = 0.5 * (adam + adam_next)
+    rounds = []
+    for _ in range(repeat):
+      c = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
+      adam_next = compile_seconds("adam", preset, **kw)
+      rounds.append((c, 0.5 * (adam + adam_next)))
+      adam = adam_next
+    c, ref = min(rounds)
     results.append(dict(optimizer=name, preset=preset, stacked=stacked, layers=layers,
-                        stack_matrices=stack_matrices,
-                        compile_s=c, adam_compile_s=ref, ratio_compile=c / ref))
+                        stack_matrices=stack_matrices, repeat=repeat,
+                        compile_s=c, adam_compile_s=ref, ratio_compile=c / ref,
+                        ratios=[x / a for x, a in rounds]))
     if not as_json:
-      print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x", flush=True)
-    adam = adam_next
+      spread = (f"  (rounds {min(x / a for x, a in rounds):.2f}-"
+                f"{max(x / a for x, a in rounds):.2f}x)" if repeat > 1 else "")
+      print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x{spread}",
+            flush=True)
   if as_json:
     print(json.dumps(results, indent=2))
 
@@ -141,13 +155,15 @@ def main():
                   help="with --compile-only: layers stacked as [L, m, n] leaves (nnx.scan-style)")
   ap.add_argument("--layers", type=int, default=None,
                   help="with --compile-only: override the preset's number of layers")
+  ap.add_argument("--repeat", type=int, default=1,
+                  help="with --compile-only: rounds per optimizer; report the fastest")
   ap.add_argument("--stack-matrices", action="store_true",
                   help="build the fisher_optax optimizers with stack_matrices=True")
   args = ap.parse_args()
   names = [n for n in args.optimizers.split(",") if n]
   if args.compile_only:
     return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers,
-                        stack_matrices=args.stack_matrices)
+                        stack_matrices=args.stack_matrices, repeat=args.repeat)
   if args.stacked or args.layers is not None:
     ap.error("--stacked and --layers apply to --compile-only")
   adam = setup("adam", args.preset)

@@ -34,10 +34,14 @@ def test_step_time_benchmark_runs_on_tiny():
 def test_step_time_compile_only_runs_on_tiny():
   import json
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
-                        "tiny", "--optimizers", "apollo_mini", "--compile-only", "--json"],
+                        "tiny", "--optimizers", "apollo_mini", "--compile-only", "--json",
+                        "--repeat", "2"],
                        capture_output=True, text=True, timeout=600, check=True)
   (row,) = json.loads(out.stdout)
   assert row["optimizer"] == "apollo_mini" and row["compile_s"] > 0 and row["adam_compile_s"] > 0
+  assert row["repeat"] == 2 and len(row["ratios"]) == 2  # the fastest of two rounds
+  assert abs(row["ratio_compile"] - row["compile_s"] / row["adam_compile_s"]) < 1e-9
+  assert row["ratio_compile"] in row["ratios"]
 
 
 def test_step_time_stacked_tree_routes_layer_stacks():
