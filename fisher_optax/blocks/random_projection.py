@@ -77,10 +77,8 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     del params
     lv = matrices.Lifted(updates, dims, side="smaller", what=what, canonical=True)
     renew = (state.count > 0) & ((state.count % interval) == 0)
+    seeds = [jnp.where(renew, next_seed(o), o) for o in lv.flat(state.seed)]  # elementwise
     # the draws of all leaves with the same (m, r) in one vmapped call (matrices.vmap_grouped)
-    old = lv.flat(state.seed)
-    seeds = [jnp.where(renew, s, o) for s, o in
-             zip(matrices.vmap_grouped(lambda _: next_seed, old, [None] * len(old)), old)]
     shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lv.views]
     bases = matrices.vmap_grouped(lambda mr: lambda s: random_basis(s, *mr), seeds, shapes)
     nodes = []
