@@ -27,8 +27,9 @@ the tree sit in one ``lax.switch`` (keep / first / refresh), so ordinary steps
 run none of their code; inside it, same-shape matrices (every layer's ``q_proj``,
 stack entries) are concatenated and served by one decomposition call per shape
 (:func:`fisher_optax.matrices.map_grouped`), which also keeps compile time flat in
-the number of layers. ``Q`` (``m x m``) is never formed: the switching policy
-applies it as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) G (G^T U)``.
+the number of layers. ``Q`` is never formed: the switching policy reads the Gram
+``C = G G^T`` (``m x m``, formed once per refresh, so matrices of one ``m`` share one
+compiled refresh) and applies ``Q`` as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) C U``.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ They are plain frozen dataclasses (static configuration), not transformations:
   "Subspace iteration" (App.). With tracking decay ``b3`` and tracked
   ``Q~ = U_old^T Q U_old`` the reconstructed state is
   ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T``; one subspace-iteration step forms
-  ``Q U_old = b3 U_old Q~ + (1 - b3) G (G^T U_old)`` (``O(mnr)``, ``Q`` never
-  built), ``U' = QR(Q U_old)``, Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending),
+  ``Q U_old = b3 U_old Q~ + (1 - b3) C U_old`` with the Gram ``C = G G^T``
+  (:meth:`Switch.operand`; ``Q`` itself never built), ``U' = QR(Q U_old)``, Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending),
   keeps the top ``leading`` Ritz vectors and fills the other ``rank - leading``
   columns with columns drawn uniformly without replacement from an orthonormal
   basis of the complement of ``span(U')`` (last ``m - r`` columns of the complete
