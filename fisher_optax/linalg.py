@@ -38,21 +38,23 @@ def canonical_signs(v: jax.Array) -> jax.Array:
   return v * jnp.where(s == 0, 1.0, s).astype(v.dtype)
 
 
-def eigh_desc(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+def eigh_desc(a: jax.Array, *, signs: bool = True) -> tuple[jax.Array, jax.Array]:
   """Eigen-decomposition of a symmetric matrix, eigenvalues in descending order.
 
-  Returns ``(w, V)`` with ``a = V diag(w) V^T``, computed in float32, with
-  canonical column signs.
+  Returns ``(w, V)`` with ``a = V diag(w) V^T``, computed in float32, with canonical
+  column signs (``signs=False``: LAPACK's signs, for a caller that fixes the signs of
+  what it builds from ``V`` itself).
   """
   a = a.astype(f32)
-  a = 0.5 * (a + a.T)
-  w, v = jnp.linalg.eigh(a)
-  return w[::-1], canonical_signs(v[:, ::-1])
+  a = 0.5 * (a + a.T)  # exactly symmetric, so eigh need not symmetrise again
+  w, v = jnp.linalg.eigh(a, symmetrize_input=False)
+  v = v[:, ::-1]
+  return w[::-1], canonical_signs(v) if signs else v
 
 
 def top_eigvecs(a: jax.Array, r: int) -> jax.Array:
-  """Top-``r`` eigenvectors of a symmetric matrix (float32 eigh), ``m x r``."""
-  return eigh_desc(a)[1][:, :r]
+  """Top-``r`` eigenvectors of a symmetric matrix (float32 eigh, canonical signs), ``m x r``."""
+  return canonical_signs(eigh_desc(a, signs=False)[1][:, :r])
 
 
 def top_left_singular(g: jax.Array, r: int) -> jax.Array:

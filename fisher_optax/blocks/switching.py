@@ -118,7 +118,7 @@ class Switch:
     u1 = u_old
     for _ in range(self.iters):
       u1 = linalg.orthonormalize(q_times(u1))
-    _, v = linalg.eigh_desc(u1.T @ q_times(u1))
+    _, v = linalg.eigh_desc(u1.T @ q_times(u1), signs=False)  # every result is re-signed
     ritz = u1 @ v
     if self.leading is None or m == r:
       return linalg.canonical_signs(ritz)
