@@ -77,6 +77,23 @@ def test_degenerate_shapes_on_the_structured_path(name):
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("stack", [False, True])
+def test_a_tree_without_matrices_goes_to_the_fallback(name, stack):
+  """Only vectors and scalars: every leaf takes the fallback (Adam); the structured rule,
+  refreshes and random draws included, runs on nothing and must not fail."""
+  params = {"b": jnp.zeros((5,)), "s": jnp.zeros(())}
+  tx = getattr(fo, name)(0.01, **_kw(name), stack_matrices=stack)
+  ref = optax.adam(0.01)
+  state, ref_state = tx.init(params), ref.init(params)
+  for t in range(3):
+    g = {"b": jnp.full((5,), 0.1 * (t + 1)), "s": jnp.asarray(-0.2)}
+    u, state = jax.jit(tx.update)(g, state, params)
+    want, ref_state = ref.update(g, ref_state, params)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_nan_gradients_visible_unwrapped_and_skipped_with_apply_if_finite(name):
   shapes = {"w": (6, 10), "v": (5,)}
   params = {k: jnp.zeros(s) for k, s in shapes.items()}

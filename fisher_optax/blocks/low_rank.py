@@ -280,6 +280,8 @@ class _Tracker:
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
     :func:`~fisher_optax.blocks.switching.refresh_noise` draw, matrix ``j`` of the tree
     (leaves in order, stacks flattened) taking row ``j``."""
+    if not gs:  # no matrices (e.g. every leaf routed to the fallback)
+      return []
     sizes = [self.policy.noise_size(g.shape[-2], u.shape[-1]) for g, u in zip(gs, us)]
     rows = [g.shape[0] for g in gs]
     words = switching_lib.refresh_noise(key, count, sum(rows), max(sizes))

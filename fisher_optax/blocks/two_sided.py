@@ -136,7 +136,8 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
   def update_fn(updates, state, params=None):
     del params
     lv = matrices.Lifted(updates, dims, what=what, canonical=True)
-    out, s, q = zip(*lv.per_matrix(per_matrix, lv.gcs, lv.flat(state.s), lv.flat(state.q)))
+    res = lv.per_matrix(per_matrix, lv.gcs, lv.flat(state.s), lv.flat(state.q))
+    out, s, q = zip(*res) if res else ((), (), ())  # no matrices: nothing to scale
     return lv.to_leaves(out), ScaleByTwoSidedState(s=lv.un(s), q=lv.un(q))
 
   return optax.GradientTransformation(init_fn, update_fn)
