@@ -9,10 +9,10 @@ They are plain frozen dataclasses (static configuration), not transformations:
   ``Q~ = U_old^T Q U_old`` the reconstructed state is
   ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T``; one subspace-iteration step forms
   ``Q U_old = b3 U_old Q~ + (1 - b3) C U_old`` with the Gram ``C = G G^T``
-  (:meth:`Switch.operand`; ``Q`` itself never built), ``U' = QR(Q U_old)``, Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending),
-  keeps the top ``leading`` Ritz vectors and fills the other ``rank - leading``
-  columns with columns drawn uniformly without replacement from an orthonormal
-  basis of the complement of ``span(U')`` (last ``m - r`` columns of the complete
+  (:meth:`Switch.operand`; ``Q`` itself never built), ``U' = QR(Q U_old)``,
+  Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending), keeps the top ``leading`` Ritz
+  vectors and fills the other ``rank - leading`` columns with columns drawn uniformly
+  without replacement from an orthonormal basis of the complement of ``span(U')`` (last ``m - r`` columns of the complete
   QR of ``U'``). If the complement has fewer than ``rank - leading`` columns the
   missing ones are the next Ritz vectors, so ``leading=None`` (or ``rank = m``)
   keeps the full Ritz basis: plain subspace iteration, no switching. The first
