@@ -12,12 +12,12 @@ They are plain frozen dataclasses (static configuration), not transformations:
   (:meth:`Switch.operand`; ``Q`` itself never built), ``U' = QR(Q U_old)``,
   Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending), keeps the top ``leading`` Ritz
   vectors and fills the other ``rank - leading`` columns with columns drawn uniformly
-  without replacement from an orthonormal basis of the complement of ``span(U')`` (last ``m - r`` columns of the complete
-  QR of ``U'``). If the complement has fewer than ``rank - leading`` columns the
-  missing ones are the next Ritz vectors, so ``leading=None`` (or ``rank = m``)
-  keeps the full Ritz basis: plain subspace iteration, no switching. The first
-  refresh (step 1) takes the top-``r`` eigenvectors of ``G G^T`` (float32 eigh,
-  no random mixing).
+  without replacement from an orthonormal basis of the complement of ``span(U')``
+  (last ``m - r`` columns of the complete QR of ``U'``). If the complement has fewer
+  than ``rank - leading`` columns the missing ones are the next Ritz vectors, so
+  ``leading=None`` (or ``rank = m``) keeps the full Ritz basis: plain subspace
+  iteration, no switching. The first refresh (step 1) takes the top-``r``
+  eigenvectors of ``G G^T`` (float32 eigh, no random mixing).
 * :func:`svd_refresh` -- GaLore: top-``r`` left singular vectors of the current
   gradient at every refresh.
 
