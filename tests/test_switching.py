@@ -100,3 +100,18 @@ def test_invalid_leading():
     fo.switch(leading=-1)
   with pytest.raises(ValueError, match="leading"):
     fo.alice(0.01, rank=8, leading=9)
+
+
+def test_complement_draws_are_uniform_distinct_and_change_per_refresh():
+  """``refresh_noise`` + ``complement_indices`` (the rule the tracker follows): k distinct
+  indices, every index equally likely, and a different draw at every refresh count."""
+  from fisher_optax.blocks import switching
+  key, n, k, draws = jax.random.PRNGKey(0), 10, 3, 4000
+  words = switching.refresh_noise(key, jnp.int32(7), draws, n)
+  assert words.shape == (draws, n) and words.dtype == jnp.uint32
+  idx = np.asarray(jax.vmap(lambda w: switching.complement_indices(w, k))(words))
+  assert all(len(set(row)) == k for row in idx) and idx.min() >= 0 and idx.max() < n
+  freq = np.bincount(idx.ravel(), minlength=n) / (draws * k)
+  np.testing.assert_allclose(freq, 1.0 / n, atol=0.015)  # ~5 standard deviations
+  other = switching.refresh_noise(key, jnp.int32(8), draws, n)
+  assert not np.array_equal(np.asarray(words), np.asarray(other))
