@@ -113,6 +113,48 @@ def test_grouping_by_parameter_and_size():
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back, x))
 
 
+def test_split_offsets_are_state_read_at_run_time_and_checked():
+  """The offsets where ``unstack`` cuts a leaf out of its stack are int32 scalars of the
+  state (one kernel per shape instead of one per offset on XLA:CPU); the jitted update
+  equals the one cut with static slices, and a state whose offsets were changed by hand
+  gives NaN for the cut leaves instead of another layer's update."""
+  params = _params()
+  tx = _build("racs", {}, True, params)
+  state = tx.init(params)
+  inner = state.inner_states["structured"].inner_state
+  assert [int(x) for x in inner.starts] == list(range(LAYERS))  # "stack" is never cut
+  assert all(x.shape == () and x.dtype == jnp.int32 for x in inner.starts)
+  g = grads_at(params, 0)
+  got, _ = jax.jit(tx.update)(g, state, params)
+
+  static = stacking.unstack  # the static-slice split, as before the offsets were state
+  try:
+    stacking.unstack = lambda p, stacked, starts=None: static(p, stacked)
+    want, _ = tx.update(g, state, params)
+  finally:
+    stacking.unstack = static
+  chex_equal = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), got, want)
+  assert jax.tree.all(chex_equal)
+
+  def zero_starts(path, x):
+    return jnp.zeros_like(x) if ".starts" in jax.tree_util.keystr(path) else x
+
+  bad, _ = jax.jit(tx.update)(g, jax.tree_util.tree_map_with_path(zero_starts, state), params)
+  for i in range(LAYERS):
+    for leaf in ("q", "o", "up"):
+      assert bool(jnp.all(jnp.isnan(bad["layers"][i][leaf].astype(jnp.float32)))), (i, leaf)
+  assert bool(jnp.array_equal(bad["stack"], got["stack"]))  # a whole stack: not cut
+  assert bool(jnp.array_equal(bad["b"], got["b"]))  # fallback
+
+
+def test_a_state_for_another_tree_is_refused():
+  params = {"layers": {i: {"q": jnp.zeros((6, 10))} for i in range(3)}}
+  tx = stacking.stack_matrices(optax.identity())
+  state = tx.init({"layers": {i: params["layers"][i] for i in range(2)}})
+  with pytest.raises(ValueError, match="split offsets"):
+    tx.update(params, state)
+
+
 def test_describe_counts_the_same_state():
   params = _params()
   for name in ("racs", "alice", "soap"):
