@@ -9,8 +9,9 @@ concatenated along the stack axis (mixed dtypes promote); the results are split,
 brought back to each leaf's layout and cast to its dtype. Every block maps its
 per-matrix mathematics over a stack (``Lifted.per_matrix``), so the update of each
 matrix is the one it gets unstacked; what changes is the layout of the state (one
-``[k, ...]`` array per group instead of one per leaf) and, for methods that draw random
-numbers per matrix (switching, APOLLO's projections), which draws each matrix gets.
+``[k, ...]`` array per group instead of one per leaf, plus the int32 offsets where the
+split cuts, :func:`unstack`) and, for methods that draw random numbers per matrix
+(switching, APOLLO's projections), which draws each matrix gets.
 
 Why: XLA compiles a leaf-by-leaf update into one subgraph per leaf (HLO passes and
 distinct kernels grow with depth: RACS on the 130M LLaMA's 85 matrices compiles in ~8x
