@@ -343,7 +343,7 @@ class Lifted:
                     for o, v, g in zip(canonical, self.views, self.leaves)])
 
 
-def map_grouped(fn, items: list, *, batched: bool = False) -> list:
+def map_grouped(fn, items: list) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -351,9 +351,7 @@ def map_grouped(fn, items: list, *, batched: bool = False) -> list:
   arguments have the same shapes are concatenated along the stack axis and served by one
   :func:`fisher_optax.linalg.map_matrices` call (every layer's ``q_proj`` becomes one
   decomposition call, which keeps compile time flat in depth); the results are split
-  back. ``batched=True``: ``fn`` takes whole stacks (e.g. a batched matmul) and is called
-  on the concatenated stack directly. Returns, per item, ``fn``'s output pytree with a
-  leading axis ``b_i``.
+  back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
   """
   groups: dict = {}
   for j, args in enumerate(items):
@@ -365,7 +363,7 @@ def map_grouped(fn, items: list, *, batched: bool = False) -> list:
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))]
-    res = fn(*cat) if batched else linalg.map_matrices(fn, *cat)
+    res = linalg.map_matrices(fn, *cat)
     if len(members) == 1:
       out[members[0]] = res
       continue

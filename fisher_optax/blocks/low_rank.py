@@ -249,9 +249,10 @@ class _Tracker:
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
     ``[matrices, ...]`` arrays. One lax.switch (keep / first refresh / refresh) holds every
     refresh of the tree, so an ordinary step runs none of this; inside it the policy's
-    operand (switching: ``G G^T``) is formed per gradient shape and the refresh runs once
-    per operand shape (matrices.map_grouped: every layer's q_proj, and with the Gram every
-    matrix of one ``m``, share one decomposition call)."""
+    operand (switching: ``G G^T``) is formed per leaf, a batched matmul over its stack
+    (concatenating same-shape gradients first copied them and compiled more kernels), and
+    the refresh runs once per operand shape (matrices.map_grouped: every layer's q_proj,
+    and with the Gram every matrix of one ``m``, share one decomposition call)."""
     del v_leaves
     flat_g, flat_u, flat_q = [], [], []
     for gc, u_old, q_old in zip(gcs, u_leaves, q_leaves):
@@ -263,7 +264,7 @@ class _Tracker:
     def branch(fn, draws):
       def run(ops):
         gs, us, qs, key = ops
-        xs = matrices.map_grouped(self.policy.operand, [(g,) for g in gs], batched=True)
+        xs = [self.policy.operand(g) for g in gs]
         noise = (self.noise(key, state.count, gs, us) if draws else [None] * len(gs))
         outs = matrices.map_grouped(fn, list(zip(xs, us, qs, noise)))
         return [o[0] for o in outs], [o[1] for o in outs]
