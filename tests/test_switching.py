@@ -115,3 +115,34 @@ def test_complement_draws_are_uniform_distinct_and_change_per_refresh():
   np.testing.assert_allclose(freq, 1.0 / n, atol=0.015)  # ~5 standard deviations
   other = switching.refresh_noise(key, jnp.int32(8), draws, n)
   assert not np.array_equal(np.asarray(words), np.asarray(other))
+
+
+@pytest.mark.parametrize("r", [3, 5, 7])
+def test_a_tall_gradient_is_read_as_itself_and_gives_the_gram_s_bases(r):
+  """``m > n`` (alice_soap's right basis of a vocabulary-sized side): the operand is
+  ``G``, not the ``m x m`` Gram; the first basis (thin SVD, completed by the complement
+  of ``G``'s column span when ``r > n``) spans the top eigenvectors of ``G G^T``
+  (float64 eigh), and a later refresh equals the one read from the Gram."""
+  m, n = 12, 5
+  rng = np.random.default_rng(4)
+  g = (rng.standard_normal((m, n)) * np.linspace(3.0, 0.5, n)).astype(np.float32)
+  pol = fo.switch(leading=None)
+  x = pol.operand(jnp.asarray(g))
+  assert x.shape == (m, n)
+  u = np.asarray(pol.first(jnp.asarray(g), r), np.float64)
+  np.testing.assert_allclose(u.T @ u, np.eye(r), atol=1e-5)
+  w, v = reference.eig_desc(g.astype(np.float64) @ g.T.astype(np.float64))
+  k = min(r, n)
+  # the top-k eigenvectors, each up to sign (canonical signs on both sides)
+  np.testing.assert_allclose(np.abs(u[:, :k].T @ v[:, :k]), np.eye(k), atol=1e-4)
+  if r > n:  # the completion lies in the null space of G^T
+    np.testing.assert_allclose(g.T.astype(np.float64) @ u[:, n:], 0.0, atol=1e-4)
+  gram = jnp.asarray(g) @ jnp.asarray(g).T
+  np.testing.assert_allclose(np.asarray(pol.first_from(gram, r))[:, :k], u[:, :k], atol=1e-4)
+
+  u_old, _ = np.linalg.qr(rng.standard_normal((m, r)))
+  a = rng.standard_normal((r, r))
+  args = (jnp.asarray(u_old, jnp.float32), jnp.asarray(a @ a.T, jnp.float32), 0.9, None)
+  from_g = np.asarray(pol.refresh_from(x, *args))
+  from_gram = np.asarray(pol.refresh_from(gram, *args))
+  np.testing.assert_allclose(from_g, from_gram, atol=1e-4)

@@ -72,14 +72,20 @@ class Switch:
     return self.leading is not None
 
   def operand(self, g: jax.Array) -> jax.Array:
-    """What a refresh reads of the gradient: its Gram matrix ``C = G G^T`` (``m x m``,
-    float32; ``batch + (m, n) -> batch + (m, m)``).
+    """What a refresh reads of the gradient (float32): its Gram matrix ``C = G G^T``
+    (``m x m``) when ``m <= n``, else ``G`` itself (``batch + (m, n)``).
 
     Reading ``C`` rather than ``G`` makes the refresh a function of ``(m, r)`` only, so
     matrices of one ``m`` and different ``n`` (a LLaMA's attention, MLP and output
     kernels) share one compiled refresh (:func:`fisher_optax.matrices.map_grouped`);
-    forming ``C`` costs ``m^2 n`` against the ``4 m n r`` of applying ``G G^T`` twice."""
+    forming ``C`` costs ``m^2 n`` against the ``4 m n r`` of applying ``G G^T`` twice.
+    A tall ``G`` (``m > n``: :func:`fisher_optax.alice_soap`'s right basis, whose ``m`` is
+    the parameter's larger side, e.g. a 32000-token vocabulary) keeps ``G``: its Gram
+    would be larger than ``G`` (``m^2 > m n``) and its eigh ``O(m^3)``. An operand is a
+    Gram iff it is square (``m x m``; for ``m = n`` the Gram is taken)."""
     g = g.astype(jnp.float32)
+    if g.shape[-2] > g.shape[-1]:
+      return g
     return g @ jnp.swapaxes(g, -1, -2)
 
   def first(self, g: jax.Array, r: int) -> jax.Array:
@@ -87,9 +93,16 @@ class Switch:
     return self.first_from(self.operand(g), r)
 
   def first_from(self, c: jax.Array, r: int) -> jax.Array:
-    """:meth:`first` from ``C = G G^T`` (:meth:`operand`)."""
-    return linalg.top_eigvecs(c, r)
-
+    """:meth:`first` from :meth:`operand`: eigh of ``C``; for a tall ``G`` the same
+    vectors from its thin SVD (``O(m n^2)``), completed by the complement of its left
+    singular vectors (eigenvalue 0 of ``G G^T``) when ``r > n``."""
+    m, n = c.shape
+    if m == n:
+      return linalg.top_eigvecs(c, r)
+    u = linalg.top_left_singular(c, min(r, n))
+    if r > n:
+      u = jnp.concatenate([u, linalg.complement_basis(u)[:, : r - n]], axis=1)
+    return u
   def noise_size(self, m: int, r: int) -> int:
     """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
     return m - r if self.random else 0
@@ -105,12 +118,14 @@ class Switch:
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
                    b3, noise: Optional[jax.Array]) -> jax.Array:
-    """:meth:`refresh` from ``C = G G^T`` (:meth:`operand`) and the random words ``noise``
-    (at least ``m - r`` uint32, :func:`refresh_noise`)."""
+    """:meth:`refresh` from :meth:`operand` (``C = G G^T``, or a tall ``G``) and the random
+    words ``noise`` (at least ``m - r`` uint32, :func:`refresh_noise`)."""
     m, r = u_old.shape
+    gram = c.shape[-1] == m  # else c is a tall G: C u = G (G^T u)
 
     def q_times(u):
-      out = (1 - b3) * (c @ u) if q_old is not None else c @ u
+      cu = c @ u if gram else c @ (c.T @ u)
+      out = (1 - b3) * cu if q_old is not None else cu
       if q_old is not None:
         out = out + b3 * (u_old @ (q_old @ (u_old.T @ u)))
       return out
