@@ -69,15 +69,19 @@ def orthonormalize(h: jax.Array) -> jax.Array:
   return q
 
 
-def complement_basis(u: jax.Array) -> jax.Array:
-  """Orthonormal basis (``m x (m - r)``) of the complement of span(``u``), ``u`` orthonormal.
+def complement_columns(u: jax.Array, cols: jax.Array) -> jax.Array:
+  """Columns ``cols`` (indices in ``[0, m - r)``) of an orthonormal basis of the
+  complement of span(``u``), ``u`` (``m x r``) orthonormal: ``m x len(cols)``.
 
-  The paper (Sec. "Switching") approximates ``U_c`` by the QR decomposition of
-  ``U``: the last ``m - r`` columns of the complete Householder QR of ``u``.
-  """
+  The paper (Sec. "Switching") approximates ``U_c`` by the QR decomposition of ``U``: the
+  last ``m - r`` columns of the complete Householder QR of ``u``, ``Q = H_1 ... H_r``.
+  Column ``r + j`` is ``Q e_{r+j}``, so the Householder reflectors are applied to those
+  unit vectors (``jax.lax.linalg.ormqr``, ``O(m r k)``) and the ``m x m`` ``Q`` is never
+  formed (4 GB for a 32000-row side)."""
   m, r = u.shape
-  q, _ = jnp.linalg.qr(u.astype(f32), mode="complete")
-  return q[:, r:]
+  h, taus = jnp.linalg.qr(u.astype(f32), mode="raw")
+  units = (jnp.arange(m)[:, None] == (r + cols)[None, :]).astype(f32)
+  return jax.lax.linalg.ormqr(h.mT, taus, units)
 
 
 def safe_rsqrt(x: jax.Array) -> jax.Array:

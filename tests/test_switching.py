@@ -146,3 +146,22 @@ def test_a_tall_gradient_is_read_as_itself_and_gives_the_gram_s_bases(r):
   from_g = np.asarray(pol.refresh_from(x, *args))
   from_gram = np.asarray(pol.refresh_from(gram, *args))
   np.testing.assert_allclose(from_g, from_gram, atol=1e-4)
+
+
+def test_complement_columns_are_the_complete_qr_columns_without_forming_q():
+  """``linalg.complement_columns(u, cols)`` = columns ``r + cols`` of the complete
+  Householder QR of ``u`` (what the switching draw samples from), orthonormal and
+  orthogonal to span(u); ``jax.jit`` and ``jax.vmap`` (the batched refresh) agree."""
+  rng = np.random.default_rng(5)
+  u, _ = np.linalg.qr(rng.standard_normal((30, 6)))
+  u = jnp.asarray(u, jnp.float32)
+  cols = jnp.asarray([17, 0, 23, 5])
+  q, _ = jnp.linalg.qr(u, mode="complete")
+  got = fo.linalg.complement_columns(u, cols)
+  np.testing.assert_allclose(got, q[:, 6 + cols], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got).T @ np.asarray(got), np.eye(4), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(u).T @ np.asarray(got), 0.0, atol=1e-5)
+  jitted = jax.jit(fo.linalg.complement_columns)(u, cols)
+  batched = jax.vmap(fo.linalg.complement_columns)(u[None], cols[None])[0]
+  np.testing.assert_allclose(jitted, got, atol=1e-6)
+  np.testing.assert_allclose(batched, got, atol=1e-6)

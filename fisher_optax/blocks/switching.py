@@ -13,7 +13,8 @@ They are plain frozen dataclasses (static configuration), not transformations:
   Rayleigh-Ritz ``eigh(U'^T Q U')`` (descending), keeps the top ``leading`` Ritz
   vectors and fills the other ``rank - leading`` columns with columns drawn uniformly
   without replacement from an orthonormal basis of the complement of ``span(U')``
-  (last ``m - r`` columns of the complete QR of ``U'``). If the complement has fewer
+  (last ``m - r`` columns of the complete QR of ``U'``; only the drawn columns are
+  computed, :func:`fisher_optax.linalg.complement_columns`). If the complement has fewer
   than ``rank - leading`` columns the missing ones are the next Ritz vectors, so
   ``leading=None`` (or ``rank = m``) keeps the full Ritz basis: plain subspace
   iteration, no switching. The first refresh (step 1) takes the top-``r``
@@ -101,7 +102,7 @@ class Switch:
       return linalg.top_eigvecs(c, r)
     u = linalg.top_left_singular(c, min(r, n))
     if r > n:
-      u = jnp.concatenate([u, linalg.complement_basis(u)[:, : r - n]], axis=1)
+      u = jnp.concatenate([u, linalg.complement_columns(u, jnp.arange(r - n))], axis=1)
     return u
   def noise_size(self, m: int, r: int) -> int:
     """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
@@ -141,15 +142,15 @@ class Switch:
       k_c = min(r - min(self.leading, r), m - r)
       if k_c == 0:
         return linalg.canonical_signs(ritz)
-      comp = linalg.complement_basis(u1)
-      cols = [ritz[:, : r - k_c], comp[:, complement_indices(noise[:m - r], k_c)]]
+      comp = linalg.complement_columns(u1, complement_indices(noise[:m - r], k_c))
+      cols = [ritz[:, : r - k_c], comp]
       return linalg.canonical_signs(jnp.concatenate(cols, axis=1))
     # traced ``leading`` (optax.inject_hyperparams): draw the largest possible number of
     # complement columns and keep the first ``k_c`` -- the same indices as above, since
     # they are a prefix of one permutation
     k_max = min(r, m - r)
     k_c = jnp.minimum(r - jnp.clip(self.leading, 0, r), m - r)
-    comp = linalg.complement_basis(u1)[:, complement_indices(noise[:m - r], k_max)]
+    comp = linalg.complement_columns(u1, complement_indices(noise[:m - r], k_max))
     j = jnp.arange(r)
     from_comp = j >= r - k_c
     picked = comp[:, jnp.clip(j - (r - k_c), 0, k_max - 1)]
