@@ -18,7 +18,8 @@ They are plain frozen dataclasses (static configuration), not transformations:
   than ``rank - leading`` columns the missing ones are the next Ritz vectors, so
   ``leading=None`` (or ``rank = m``) keeps the full Ritz basis: plain subspace
   iteration, no switching. The first refresh (step 1) takes the top-``r``
-  eigenvectors of ``G G^T`` (float32 eigh, no random mixing).
+  eigenvectors of ``G G^T`` (float32 eigh; for a tall ``G``, ``m > n``, its thin SVD;
+  no random mixing).
 * :func:`svd_refresh` -- GaLore: top-``r`` left singular vectors of the current
   gradient at every refresh.
 
@@ -104,6 +105,7 @@ class Switch:
     if r > n:
       u = jnp.concatenate([u, linalg.complement_columns(u, jnp.arange(r - n))], axis=1)
     return u
+
   def noise_size(self, m: int, r: int) -> int:
     """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
     return m - r if self.random else 0
