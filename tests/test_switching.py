@@ -165,3 +165,24 @@ def test_complement_columns_are_the_complete_qr_columns_without_forming_q():
   batched = jax.vmap(fo.linalg.complement_columns)(u[None], cols[None])[0]
   np.testing.assert_allclose(jitted, got, atol=1e-6)
   np.testing.assert_allclose(batched, got, atol=1e-6)
+
+
+def test_switching_refresh_of_a_tall_gradient_against_float64():
+  """``m > n`` with switching: the leading columns span the top Ritz vectors of the
+  float64 subspace iteration on ``Q = b3 U Q~ U^T + (1 - b3) G G^T`` (formed densely
+  here), the drawn columns are orthonormal and orthogonal to that iteration's span --
+  read from ``G`` itself, never from an ``m x m`` matrix."""
+  m, n, r, lead = 14, 5, 4, 2
+  rng = np.random.default_rng(6)
+  g = (rng.standard_normal((m, n)) * np.linspace(3.0, 0.5, n)).astype(np.float32)
+  u_old, _ = np.linalg.qr(rng.standard_normal((m, r)))
+  a = rng.standard_normal((r, r))
+  q_old = (a @ a.T).astype(np.float32)
+  pol = fo.switch(leading=lead)
+  u = np.asarray(pol.refresh(jnp.asarray(g), jnp.asarray(u_old, jnp.float32),
+                             jnp.asarray(q_old), 0.9, jax.random.PRNGKey(2)), np.float64)
+  np.testing.assert_allclose(u.T @ u, np.eye(r), atol=1e-5)
+  u1, ritz = _iteration_span_and_ritz(g, u_old.astype(np.float32), q_old, 0.9)
+  proj = ritz[:, :lead] @ ritz[:, :lead].T
+  np.testing.assert_allclose(proj @ u[:, :lead], u[:, :lead], atol=1e-4)
+  np.testing.assert_allclose(u1.T @ u[:, lead:], 0.0, atol=1e-5)
