@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, validation
+from fisher_optax import hashing, matrices, validation
 from fisher_optax.blocks import low_rank
 
 
@@ -35,14 +35,10 @@ def random_basis(seed: jax.Array, m: int, r: int) -> jax.Array:
 
 
 def next_seed(seed: jax.Array) -> jax.Array:
-  """The seed after ``seed`` (uint32): MurmurHash3's 32-bit finaliser of
-  ``seed + 0x9E3779B9``, a bijection of uint32 with full avalanche, so renewed seeds never
-  collide and look unrelated; two multiplies and three shifts, where a threefry hash
-  compiles into a large XLA:CPU kernel (~0.1 s) on every refresh path."""
-  x = jnp.asarray(seed, jnp.uint32) + jnp.uint32(0x9E3779B9)
-  x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
-  x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
+  """The seed after ``seed`` (uint32): :func:`fisher_optax.hashing.mix32`, a bijection of
+  uint32 with full avalanche, so renewed seeds never collide and look unrelated; where a
+  threefry hash compiles into large XLA:CPU kernels (~0.1 s) on every refresh path."""
+  return hashing.mix32(seed)
 
 
 class RandomProjectState(NamedTuple):

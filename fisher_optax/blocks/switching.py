@@ -24,8 +24,9 @@ They are plain frozen dataclasses (static configuration), not transformations:
   gradient at every refresh.
 
 Randomness: the PRNG key lives in the optimizer state (replicated); the refresh at
-step count ``c`` draws one ``(matrices, max m - r)`` array of 32-bit words from
-``fold_in(key, c)`` and matrix ``j`` of the tree takes row ``j`` (:func:`refresh_noise`);
+step count ``c`` draws one ``(matrices, max m - r)`` array of 32-bit words, a
+counter-based hash of ``(key, c)``, and matrix ``j`` of the tree takes row ``j``
+(:func:`refresh_noise`);
 its complement columns are the first ``k`` of the argsort of its ``m - r`` words
 (:func:`complement_indices`). Every device draws the same columns.
 """
@@ -38,20 +39,20 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import linalg, matrices, validation
+from fisher_optax import hashing, linalg, matrices, validation
 
 
 def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,
                   width: int) -> jax.Array:
-  """The random words of one refresh: ``(num_matrices, max(width, 1))`` uint32 from
-  ``fold_in(key, count)``; matrix ``j`` of the tracked tree (leaves in flatten order, the
-  matrices of a stack in order) reads row ``j``, its first ``m - r`` words.
+  """The random words of one refresh: ``(num_matrices, max(width, 1))`` uint32,
+  :func:`fisher_optax.hashing.words` of ``(key, count)``; matrix ``j`` of the tracked tree
+  (leaves in flatten order, the matrices of a stack in order) reads row ``j``, its first
+  ``m - r`` words.
 
-  One hash for the whole tree: a threefry hash compiles into a large XLA:CPU kernel
-  (~0.1 s each), so drawing per leaf or per matrix made the refresh's compile time grow
-  with the number of draws."""
-  return jax.random.bits(jax.random.fold_in(key, count), (num_matrices, max(width, 1)),
-                         jnp.uint32)
+  One elementwise hash for the whole tree: a threefry hash (``jax.random.bits``)
+  compiled into ~12 XLA:CPU kernels of its own; drawing per leaf or per matrix made the
+  refresh's compile time grow with the number of draws."""
+  return hashing.words(key, count, (num_matrices, max(width, 1)))
 
 
 def complement_indices(noise: jax.Array, k: int) -> jax.Array:
@@ -113,10 +114,11 @@ class Switch:
   def refresh(self, g: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
               b3, key: Optional[jax.Array]) -> jax.Array:
     """New basis from ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T`` (one matrix); the
-    complement draw reads ``m - r`` words of ``jax.random.bits(key)``."""
+    complement draw reads ``m - r`` words hashed from ``key``
+    (:func:`fisher_optax.hashing.words`)."""
     m, r = u_old.shape
     noise = (None if key is None or not self.noise_size(m, r)
-             else jax.random.bits(key, (m - r,), jnp.uint32))
+             else hashing.words(key, 0, (m - r,)))
     return self.refresh_from(self.operand(g), u_old, q_old, b3, noise)
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
