@@ -186,3 +186,27 @@ def test_switching_refresh_of_a_tall_gradient_against_float64():
   proj = ritz[:, :lead] @ ritz[:, :lead].T
   np.testing.assert_allclose(proj @ u[:, :lead], u[:, :lead], atol=1e-4)
   np.testing.assert_allclose(u1.T @ u[:, lead:], 0.0, atol=1e-5)
+
+
+def test_basis_from_is_the_first_refresh_at_step_one_and_the_switching_refresh_after():
+  """The tracker's single refresh branch: ``basis_from(..., first)`` is ``first_from`` when
+  ``first`` and ``refresh_from`` otherwise, under ``jit`` and ``vmap`` (the GPU path)."""
+  from fisher_optax.blocks import switching
+  pol = fo.switch(leading=1)
+  m, n, r, b = 6, 9, 3, 4
+  g = jax.random.normal(jax.random.PRNGKey(0), (b, m, n))
+  c = jax.vmap(pol.operand)(g)
+  u_old = jax.vmap(lambda x: pol.first_from(x, r))(c)
+  q_old = jnp.broadcast_to(jnp.eye(r), (b, r, r))
+  noise = switching.refresh_noise(jax.random.PRNGKey(1), jnp.int32(4), b, m - r)
+  for first in (True, False):
+    got = jax.jit(jax.vmap(lambda x, u, q, w: pol.basis_from(x, u, q, 0.9, w,
+                                                             jnp.bool_(first))))(
+        c, u_old, q_old, noise)
+    want = (jax.vmap(lambda x: pol.first_from(x, r))(c) if first else
+            jax.vmap(lambda *a: pol.refresh_from(a[0], a[1], a[2], 0.9, a[3]))(
+                c, u_old, q_old, noise))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+  svd = fo.svd_refresh()
+  np.testing.assert_allclose(np.asarray(svd.basis_from(g[0], u_old[0], None, 0.0, None, False)),
+                             np.asarray(svd.first_from(g[0], r)), atol=1e-6)

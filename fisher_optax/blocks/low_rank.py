@@ -23,8 +23,9 @@ keeps the previous one.
 
 Cost (what makes the hot path fast): an ordinary step is two batched matmuls per
 matrix (``U^T G``, and ``sigma sigma^T`` when tracking), ``O(mnr)``. All refreshes of
-the tree sit in one ``lax.switch`` (keep / first / refresh), so ordinary steps
-run none of their code; inside it, same-shape matrices (every layer's ``q_proj``,
+the tree sit in one ``lax.cond`` (keep / refresh; the first refresh and the later ones
+are a ``lax.cond`` per matrix inside it), so ordinary steps run none of their code;
+inside it, same-shape matrices (every layer's ``q_proj``,
 stack entries) are concatenated and served by one decomposition call per shape
 (:func:`fisher_optax.matrices.map_grouped`), which also keeps compile time flat in
 the number of layers. ``Q`` is never formed: the switching policy reads the Gram
@@ -247,12 +248,15 @@ class _Tracker:
 
   def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
-    ``[matrices, ...]`` arrays. One lax.switch (keep / first refresh / refresh) holds every
-    refresh of the tree, so an ordinary step runs none of this; inside it the policy's
-    operand (switching: ``G G^T``) is formed per leaf, a batched matmul over its stack
+    ``[matrices, ...]`` arrays. One lax.cond (keep / refresh) holds every refresh of the
+    tree, so an ordinary step runs none of this; inside it the policy's operand
+    (switching: ``G G^T``) is formed per leaf, a batched matmul over its stack
     (concatenating same-shape gradients first copied them and compiled more kernels), and
     the refresh runs once per operand shape (matrices.map_grouped: every layer's q_proj,
-    and with the Gram every matrix of one ``m``, share one decomposition call)."""
+    and with the Gram every matrix of one ``m``, share one decomposition call). The first
+    refresh (step 1) and the later ones differ only in the policy's per-matrix
+    ``basis_from``, so they share the operands, grouping, non-finite guard and
+    re-expression (one compiled copy instead of one per branch)."""
     del v_leaves
     flat_g, flat_u, flat_q = [], [], []
     for gc, u_old, q_old in zip(gcs, u_leaves, q_leaves):
@@ -261,21 +265,19 @@ class _Tracker:
       flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
       flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
 
-    def branch(fn, draws):
-      def run(ops):
-        gs, us, qs, key = ops
-        xs = [self.policy.operand(g) for g in gs]
-        noise = (self.noise(key, state.count, gs, us) if draws else [None] * len(gs))
-        outs = matrices.map_grouped(fn, list(zip(xs, us, qs, noise)))
-        return [o[0] for o in outs], [o[1] for o in outs]
-      return run
-
     count = state.count
-    which = jnp.where((count % self.interval) == 0, jnp.where(count == 0, 1, 2), 0)
-    return jax.lax.switch(
-        which, [lambda ops: (ops[1], ops[2]), branch(self.first_matrix, False),
-                branch(self.refresh_matrix, self.policy.random)],
-        (flat_g, flat_u, flat_q, state.key))
+    first = count == 0
+
+    def refresh(ops):
+      gs, us, qs, key = ops
+      xs = [self.policy.operand(g) for g in gs]
+      noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
+      fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
+      outs = matrices.map_grouped(fn, list(zip(xs, us, qs, noise)))
+      return [o[0] for o in outs], [o[1] for o in outs]
+
+    return jax.lax.cond((count % self.interval) == 0, refresh,
+                        lambda ops: (ops[1], ops[2]), (flat_g, flat_u, flat_q, state.key))
 
   def noise(self, key, count, gs, us):
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
@@ -292,12 +294,9 @@ class _Tracker:
       start += n
     return out
 
-  def first_matrix(self, x1, u1, q1, n1):
-    del n1
-    return _keep_finite(self.policy.first_from(x1, u1.shape[-1]), u1, q1)
-
-  def refresh_matrix(self, x1, u1, q1, n1):
-    return _keep_finite(self.policy.refresh_from(x1, u1, q1, self.b3, n1), u1, q1)
+  def refresh_matrix(self, x1, u1, q1, n1, first):
+    u_new = self.policy.basis_from(x1, u1, q1, self.b3, n1, first)
+    return _keep_finite(u_new, u1, q1)
 
 
 def _keep_finite(u_new, u1, q1):

@@ -2,7 +2,8 @@
 
 A policy decides the new basis ``U`` (``m x r``, orthonormal) at a refresh step.
 They are plain frozen dataclasses (static configuration), not transformations:
-``low_rank_track(refresh=...)`` calls them inside its refresh branch (a ``lax.switch``).
+``low_rank_track(refresh=...)`` calls their ``basis_from`` inside its refresh branch (a
+``lax.cond``).
 
 * :func:`switch` -- paper Alg. "Subspace switching" (Sec. 5.2) on top of Alg.
   "Subspace iteration" (App.). With tracking decay ``b3`` and tracked
@@ -107,6 +108,17 @@ class Switch:
       u = jnp.concatenate([u, linalg.complement_columns(u, jnp.arange(r - n))], axis=1)
     return u
 
+  def basis_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array], b3,
+                 noise: Optional[jax.Array], first: jax.Array) -> jax.Array:
+    """The basis of a refresh step from :meth:`operand`: :meth:`first_from` where the
+    scalar ``first`` is true (step 1), else :meth:`refresh_from`. One ``lax.cond`` per
+    matrix, so the two refreshes share everything around them in one compiled branch
+    (operands, grouping, the non-finite guard, the re-expression of ``Q~``); XLA:CPU
+    compiles each of those into kernels of their own per branch."""
+    r = u_old.shape[-1]
+    return jax.lax.cond(first, lambda: self.first_from(c, r),
+                        lambda: self.refresh_from(c, u_old, q_old, b3, noise))
+
   def noise_size(self, m: int, r: int) -> int:
     """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
     return m - r if self.random else 0
@@ -180,6 +192,11 @@ class SvdRefresh:
   def noise_size(self, m: int, r: int) -> int:
     del m, r
     return 0
+
+  def basis_from(self, c, u_old, q_old, b3, noise, first):
+    """The first refresh and the later ones are the same SVD."""
+    del q_old, b3, noise, first
+    return self.first_from(c, u_old.shape[-1])
 
   def refresh(self, g, u_old, q_old, b3, key):
     del q_old, b3, key
