@@ -343,7 +343,33 @@ class Lifted:
                     for o, v, g in zip(canonical, self.views, self.leaves)])
 
 
-def map_grouped(fn, items: list) -> list:
+def _groups(items: list) -> list:
+  """Indices of ``items`` (argument tuples of arrays or shape-dtype structs) grouped by
+  the shapes of their arguments after the stack axis, in first-seen order."""
+  groups: dict = {}
+  for j, args in enumerate(items):
+    key = tuple(None if a is None else tuple(a.shape[1:]) for a in args)
+    groups.setdefault(key, []).append(j)
+  return list(groups.values())
+
+
+def _stack_size(args) -> int:
+  return next(a.shape[0] for a in args if a is not None)
+
+
+def group_starts(items: list) -> list:
+  """Per item of :func:`map_grouped`'s ``items`` (arrays or ``jax.ShapeDtypeStruct``), its
+  offset in its group's concatenation (static ints)."""
+  starts = [0] * len(items)
+  for members in _groups(items):
+    offset = 0
+    for j in members:
+      starts[j] = offset
+      offset += _stack_size(items[j])
+  return starts
+
+
+def map_grouped(fn, items: list, starts: Optional[Sequence[jax.Array]] = None) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -352,13 +378,14 @@ def map_grouped(fn, items: list) -> list:
   :func:`fisher_optax.linalg.map_matrices` call (every layer's ``q_proj`` becomes one
   decomposition call, which keeps compile time flat in depth); the results are split
   back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
+
+  ``starts``: optionally, per item, its :func:`group_starts` offset as an int32 scalar
+  that XLA cannot see (computed at run time outside the enclosing ``lax.cond``); the
+  split then cuts at those offsets with ``dynamic_slice``, which XLA:CPU compiles once
+  per slice size instead of once per constant offset (~10 ms of code generation each).
   """
-  groups: dict = {}
-  for j, args in enumerate(items):
-    key = tuple(None if a is None else a.shape[1:] for a in args)
-    groups.setdefault(key, []).append(j)
   out = [None] * len(items)
-  for members in groups.values():
+  for members in _groups(items):
     cat = [None if items[members[0]][a] is None
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
@@ -369,8 +396,12 @@ def map_grouped(fn, items: list) -> list:
       continue
     start = 0
     for j in members:
-      size = next(a.shape[0] for a in items[j] if a is not None)
-      out[j] = jax.tree.map(lambda o, s=start, z=size: o[s:s + z], res)
+      size = _stack_size(items[j])
+      if starts is None:
+        out[j] = jax.tree.map(lambda o, s=start, z=size: o[s:s + z], res)
+      else:
+        out[j] = jax.tree.map(
+            lambda o, s=starts[j], z=size: jax.lax.dynamic_slice_in_dim(o, s, z), res)
       start += size
   return out
 

@@ -64,6 +64,28 @@ def test_map_grouped_serves_each_shape_once_and_splits_back():
   assert len(calls) == 2  # one trace per shape (lax.map on CPU / vmap elsewhere)
 
 
+def test_map_grouped_split_at_run_time_offsets_equals_the_static_split():
+  """``starts`` (the :func:`group_starts` offsets as traced scalars, as the low-rank
+  refresh passes them) cut the same items as the static slices."""
+  rng = np.random.default_rng(0)
+  items = [(jnp.asarray(rng.normal(size=(b, 3, 4)), jnp.float32),
+            jnp.asarray(rng.normal(size=(b, 3)), jnp.float32)) for b in (2, 1, 3)]
+  items.insert(1, (jnp.ones((2, 5, 4)), jnp.ones((2, 5))))  # a group of its own
+  fn = lambda a, b: (a * 2.0, a @ a.T + b[:, None])  # noqa: E731
+  assert matrices.group_starts(items) == [0, 0, 2, 3]
+  assert matrices.group_starts(jax.eval_shape(lambda: items)) == [0, 0, 2, 3]
+  want = matrices.map_grouped(fn, items)
+
+  @jax.jit
+  def split(zero):
+    return matrices.map_grouped(fn, items,
+                                starts=[zero + s for s in matrices.group_starts(items)])
+
+  for w, g in zip(want, split(jnp.int32(0))):
+    for a, b in zip(w, g):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_map_stateless_casts_saturating():
   big = {"w": jnp.ones((2, 3), jnp.float16)}
   out = matrices.map_stateless(lambda g, v: g * 1e6, big, None, what="test")

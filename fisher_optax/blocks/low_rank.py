@@ -268,16 +268,24 @@ class _Tracker:
     count = state.count
     first = count == 0
 
-    def refresh(ops):
-      gs, us, qs, key = ops
+    def items(gs, us, qs, key):
       xs = [self.policy.operand(g) for g in gs]
       noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
+      return list(zip(xs, us, qs, noise))
+
+    def refresh(ops):
+      gs, us, qs, key, starts = ops
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = matrices.map_grouped(fn, list(zip(xs, us, qs, noise)))
+      outs = matrices.map_grouped(fn, items(gs, us, qs, key), starts=starts)
       return [o[0] for o in outs], [o[1] for o in outs]
 
+    # the split offsets of the grouped results as run-time scalars (count is never < 0):
+    # computed here, outside the cond, XLA cannot fold them into the slices
+    shapes = jax.eval_shape(items, flat_g, flat_u, flat_q, state.key)
+    starts = [jnp.minimum(count, 0) + s for s in matrices.group_starts(shapes)]
     return jax.lax.cond((count % self.interval) == 0, refresh,
-                        lambda ops: (ops[1], ops[2]), (flat_g, flat_u, flat_q, state.key))
+                        lambda ops: (ops[1], ops[2]),
+                        (flat_g, flat_u, flat_q, state.key, starts))
 
   def noise(self, key, count, gs, us):
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
