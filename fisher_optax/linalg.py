@@ -38,29 +38,38 @@ def canonical_signs(v: jax.Array) -> jax.Array:
   return v * jnp.where(s == 0, 1.0, s).astype(v.dtype)
 
 
-def eigh_desc(a: jax.Array, *, signs: bool = True) -> tuple[jax.Array, jax.Array]:
+def eigh_desc(a: jax.Array, *, signs: bool = True,
+              symmetrize: bool = True) -> tuple[jax.Array, jax.Array]:
   """Eigen-decomposition of a symmetric matrix, eigenvalues in descending order.
 
   Returns ``(w, V)`` with ``a = V diag(w) V^T``, computed in float32, with canonical
   column signs (``signs=False``: LAPACK's signs, for a caller that fixes the signs of
-  what it builds from ``V`` itself).
+  what it builds from ``V`` itself). ``symmetrize=False`` for a matrix symmetric by
+  construction up to rounding (a Gram ``G G^T``, a Rayleigh quotient ``U^T Q U``): the
+  solver then reads its lower triangle instead of ``(a + a^T) / 2`` (same matrix to
+  rounding; the transposing copy compiled into XLA:CPU kernels of its own).
   """
   a = a.astype(f32)
-  a = 0.5 * (a + a.T)  # exactly symmetric, so eigh need not symmetrise again
+  if symmetrize:
+    a = 0.5 * (a + a.T)  # exactly symmetric, so eigh need not symmetrise again
   w, v = jnp.linalg.eigh(a, symmetrize_input=False)
   v = v[:, ::-1]
   return w[::-1], canonical_signs(v) if signs else v
 
 
-def top_eigvecs(a: jax.Array, r: int) -> jax.Array:
-  """Top-``r`` eigenvectors of a symmetric matrix (float32 eigh, canonical signs), ``m x r``."""
-  return canonical_signs(eigh_desc(a, signs=False)[1][:, :r])
+def top_eigvecs(a: jax.Array, r: int, *, signs: bool = True,
+                symmetrize: bool = True) -> jax.Array:
+  """Top-``r`` eigenvectors of a symmetric matrix (float32 eigh, canonical signs unless
+  ``signs=False``), ``m x r``; ``symmetrize`` as for :func:`eigh_desc`."""
+  v = eigh_desc(a, signs=False, symmetrize=symmetrize)[1][:, :r]
+  return canonical_signs(v) if signs else v
 
 
-def top_left_singular(g: jax.Array, r: int) -> jax.Array:
-  """Top-``r`` left singular vectors of ``g`` (float32 SVD, canonical signs), ``m x r``."""
+def top_left_singular(g: jax.Array, r: int, *, signs: bool = True) -> jax.Array:
+  """Top-``r`` left singular vectors of ``g`` (float32 SVD, canonical signs unless
+  ``signs=False``), ``m x r``."""
   u, _, _ = jnp.linalg.svd(g.astype(f32), full_matrices=False)
-  return canonical_signs(u[:, :r])
+  return canonical_signs(u[:, :r]) if signs else u[:, :r]
 
 
 def orthonormalize(h: jax.Array) -> jax.Array:

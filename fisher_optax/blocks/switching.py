@@ -96,28 +96,34 @@ class Switch:
     """Step-1 basis: top-``r`` eigenvectors of ``G G^T``."""
     return self.first_from(self.operand(g), r)
 
-  def first_from(self, c: jax.Array, r: int) -> jax.Array:
+  def first_from(self, c: jax.Array, r: int, *, signs: bool = True) -> jax.Array:
     """:meth:`first` from :meth:`operand`: eigh of ``C``; for a tall ``G`` the same
     vectors from its thin SVD (``O(m n^2)``), completed by the complement of its left
-    singular vectors (eigenvalue 0 of ``G G^T``) when ``r > n``."""
+    singular vectors (eigenvalue 0 of ``G G^T``) when ``r > n``. ``signs=False`` leaves
+    the final canonical sign fix to the caller (not possible when ``r > n``: the
+    complement is drawn from the signed vectors)."""
     m, n = c.shape
-    if m == n:
-      return linalg.top_eigvecs(c, r)
-    u = linalg.top_left_singular(c, min(r, n))
-    if r > n:
-      u = jnp.concatenate([u, linalg.complement_columns(u, jnp.arange(r - n))], axis=1)
-    return u
+    if m == n:  # the Gram, symmetric by construction
+      return linalg.top_eigvecs(c, r, signs=signs, symmetrize=False)
+    if r <= n:
+      return linalg.top_left_singular(c, r, signs=signs)
+    u = linalg.top_left_singular(c, n)
+    return jnp.concatenate([u, linalg.complement_columns(u, jnp.arange(r - n))], axis=1)
 
   def basis_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array], b3,
                  noise: Optional[jax.Array], first: jax.Array) -> jax.Array:
     """The basis of a refresh step from :meth:`operand`: :meth:`first_from` where the
     scalar ``first`` is true (step 1), else :meth:`refresh_from`. One ``lax.cond`` per
     matrix, so the two refreshes share everything around them in one compiled branch
-    (operands, grouping, the non-finite guard, the re-expression of ``Q~``); XLA:CPU
-    compiles each of those into kernels of their own per branch."""
-    r = u_old.shape[-1]
-    return jax.lax.cond(first, lambda: self.first_from(c, r),
-                        lambda: self.refresh_from(c, u_old, q_old, b3, noise))
+    (operands, grouping, the non-finite guard, the re-expression of ``Q~``), and the
+    canonical sign fix that ends both runs once, after the cond; XLA:CPU compiles each
+    of those into kernels of their own per branch."""
+    m, r = u_old.shape
+    after = c.shape[0] == c.shape[1] or r <= c.shape[1]  # see first_from(signs=False)
+    u = jax.lax.cond(first, lambda: self.first_from(c, r, signs=not after),
+                     lambda: self.refresh_from(c, u_old, q_old, b3, noise,
+                                               signs=not after))
+    return linalg.canonical_signs(u) if after else u
 
   def noise_size(self, m: int, r: int) -> int:
     """Random words a refresh of an ``m x r`` basis reads: ``m - r`` when switching."""
@@ -134,11 +140,13 @@ class Switch:
     return self.refresh_from(self.operand(g), u_old, q_old, b3, noise)
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
-                   b3, noise: Optional[jax.Array]) -> jax.Array:
+                   b3, noise: Optional[jax.Array], *, signs: bool = True) -> jax.Array:
     """:meth:`refresh` from :meth:`operand` (``C = G G^T``, or a tall ``G``) and the random
-    words ``noise`` (at least ``m - r`` uint32, :func:`refresh_noise`)."""
+    words ``noise`` (at least ``m - r`` uint32, :func:`refresh_noise`). ``signs=False``
+    leaves the final canonical sign fix to the caller."""
     m, r = u_old.shape
     gram = c.shape[-1] == m  # else c is a tall G: C u = G (G^T u)
+    fix = linalg.canonical_signs if signs else (lambda x: x)
 
     def q_times(u):
       cu = c @ u if gram else c @ (c.T @ u)
@@ -150,17 +158,19 @@ class Switch:
     u1 = u_old
     for _ in range(self.iters):
       u1 = linalg.orthonormalize(q_times(u1))
-    _, v = linalg.eigh_desc(u1.T @ q_times(u1), signs=False)  # every result is re-signed
+    # the Rayleigh quotient U^T Q U is symmetric by construction; every result is re-signed
+    _, v = linalg.eigh_desc(u1.T @ q_times(u1), signs=False, symmetrize=False)
     ritz = u1 @ v
     if self.leading is None or m == r:
-      return linalg.canonical_signs(ritz)
+      return fix(ritz)
     if isinstance(self.leading, int):
       k_c = min(r - min(self.leading, r), m - r)
       if k_c == 0:
-        return linalg.canonical_signs(ritz)
+        return fix(ritz)
       comp = linalg.complement_columns(u1, complement_indices(noise[:m - r], k_c))
-      cols = [ritz[:, : r - k_c], comp]
-      return linalg.canonical_signs(jnp.concatenate(cols, axis=1))
+      # the last k_c Ritz columns replaced in place (a slice + concatenation compiled
+      # into two XLA:CPU kernels)
+      return fix(jax.lax.dynamic_update_slice(ritz, comp, (0, r - k_c)))
     # traced ``leading`` (optax.inject_hyperparams): draw the largest possible number of
     # complement columns and keep the first ``k_c`` -- the same indices as above, since
     # they are a prefix of one permutation
@@ -170,7 +180,7 @@ class Switch:
     j = jnp.arange(r)
     from_comp = j >= r - k_c
     picked = comp[:, jnp.clip(j - (r - k_c), 0, k_max - 1)]
-    return linalg.canonical_signs(jnp.where(from_comp[None, :], picked, ritz))
+    return fix(jnp.where(from_comp[None, :], picked, ritz))
 
 
 @dataclasses.dataclass(frozen=True)
