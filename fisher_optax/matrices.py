@@ -380,9 +380,12 @@ def map_grouped(fn, items: list, starts: Optional[Sequence[jax.Array]] = None) -
   back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
 
   ``starts``: optionally, per item, its :func:`group_starts` offset as an int32 scalar
-  that XLA cannot see (computed at run time outside the enclosing ``lax.cond``); the
-  split then cuts at those offsets with ``dynamic_slice``, which XLA:CPU compiles once
-  per slice size instead of once per constant offset (~10 ms of code generation each).
+  whose value XLA cannot see (:func:`fisher_optax.low_rank_track` keeps them in its
+  state); the split then cuts at those offsets with ``dynamic_slice``, which XLA:CPU
+  compiles once per slice size instead of once per constant offset (~10 ms of code
+  generation each). An offset formed in the step from a constant (``zero + 12``) does
+  not do: XLA fuses the constant into the slice, or compiles one scalar kernel per
+  offset where it is formed.
   """
   out = [None] * len(items)
   for members in _groups(items):

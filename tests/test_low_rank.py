@@ -154,3 +154,42 @@ def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
   bad = optax.chain(track, optax.scale_by_adam(), fo.project_back())
   with pytest.raises(ValueError, match="Subspace"):
     bad.update(g, bad.init(p), p)
+
+
+def test_split_offsets_live_in_the_state_and_are_checked():
+  """The refresh splits its grouped results at offsets the state holds (int32 scalars,
+  one per leaf, ``matrices.group_starts``): same updates as the static split; a state
+  whose offsets were edited gives NaN bases at the next refresh instead of another
+  leaf's basis; a state from a tree with another number of leaves is a ValueError."""
+  from fisher_optax import matrices
+  params = {"a": jnp.zeros((6, 9)), "b": jnp.zeros((2, 6, 11)), "c": jnp.zeros((6, 9))}
+  tx = fo.low_rank_track(rank=3, interval=2, b3=0.9, dims=fo.MatrixDims(),
+                         refresh=fo.switch(leading=1))
+  s = tx.init(params)
+  # leaves a, b, c: Grams 6x6 -> one group (a: 1 matrix, b: 2, c: 1)
+  assert [int(x) for x in s.starts] == [0, 1, 3]
+  rng = np.random.default_rng(0)
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                        params) for _ in range(3)]
+  step = jax.jit(tx.update)
+  st = s
+  for g in grads:
+    out, st = step(g, st)
+
+  static = matrices.map_grouped
+  try:  # the static split, as before the offsets were state
+    matrices.map_grouped = lambda fn, items, starts=None: static(fn, items)
+    st2 = s
+    for g in grads:
+      out2, st2 = jax.jit(tx.update)(g, st2)
+  finally:
+    matrices.map_grouped = static
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(st.basis[k]), np.asarray(st2.basis[k]))
+    np.testing.assert_array_equal(np.asarray(out[k].coeffs), np.asarray(out2[k].coeffs))
+
+  bad = s._replace(starts=(s.starts[0], s.starts[2], s.starts[1]))
+  _, bad = step(grads[0], bad)  # step 1 is a refresh
+  assert all(bool(jnp.all(jnp.isnan(bad.basis[k]))) for k in params)
+  with pytest.raises(ValueError, match="split offsets"):
+    tx.update({"a": grads[0]["a"]}, tx.init({"a": params["a"]})._replace(starts=s.starts))

@@ -154,12 +154,18 @@ def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> ma
 
 class LowRankTrackState(NamedTuple):
   """``basis``: ``batch + (m, r)``; ``tracked``: ``batch + (r, r)`` or ``None``
-  (no tracking); ``key``: PRNG key (``None`` for deterministic policies)."""
+  (no tracking); ``key``: PRNG key (``None`` for deterministic policies); ``starts``:
+  per leaf, its offset in the refresh's concatenation of same-shape matrices
+  (:func:`fisher_optax.matrices.group_starts`) as an int32 scalar, read at run time to
+  split the refresh results (the refresh's layout, fixed by the tree; a state with other
+  values gives NaN bases at the next refresh)."""
   count: jax.Array
   basis: optax.Updates
   tracked: Optional[optax.Updates]
   key: Optional[jax.Array]
-  SHARDING = {"tracked": "replicated", "key": "replicated"}  # sharding.py roles
+  starts: tuple = ()
+  SHARDING = {"tracked": "replicated", "key": "replicated",
+              "starts": "replicated"}  # sharding.py roles
 
 
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
@@ -222,7 +228,12 @@ class _Tracker:
     if self.has_tracking:
       tracked = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype))
     key = jax.random.PRNGKey(self.policy.seed) if self.policy.random else None
-    return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked, key=key)
+    qs = lv.flat(tracked) if self.has_tracking else [None] * len(lv.views)
+    shapes = jax.eval_shape(self.items, self.flat_abstract(lv), self.flat(lv.flat(basis)),
+                            self.flat(qs), key, 0)
+    starts = tuple(jnp.asarray(x, jnp.int32) for x in matrices.group_starts(shapes))
+    return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked,
+                             key=key, starts=starts)
 
   def update(self, updates, state, params=None):
     del params
@@ -244,7 +255,8 @@ class _Tracker:
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
     return lv.un(out), LowRankTrackState(
         count=optax.safe_int32_increment(state.count), basis=lv.un(new_u),
-        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key)
+        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key,
+        starts=state.starts)
 
   def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
@@ -258,34 +270,47 @@ class _Tracker:
     ``basis_from``, so they share the operands, grouping, non-finite guard and
     re-expression (one compiled copy instead of one per branch)."""
     del v_leaves
-    flat_g, flat_u, flat_q = [], [], []
-    for gc, u_old, q_old in zip(gcs, u_leaves, q_leaves):
-      m, r = gc.shape[-2], u_old.shape[-1]
-      flat_g.append(gc.reshape((-1,) + gc.shape[-2:]))
-      flat_u.append(u_old.astype(jnp.float32).reshape(-1, m, r))
-      flat_q.append(None if q_old is None else q_old.astype(jnp.float32).reshape(-1, r, r))
-
+    flat_g = [gc.reshape((-1,) + gc.shape[-2:]) for gc in gcs]
+    flat_u, flat_q = self.flat(u_leaves), self.flat(q_leaves)
     count = state.count
     first = count == 0
-
-    def items(gs, us, qs, key):
-      xs = [self.policy.operand(g) for g in gs]
-      noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
-      return list(zip(xs, us, qs, noise))
+    # the split offsets of the grouped results come from the state: run-time scalars,
+    # which XLA cannot fold into the slices (a constant offset, even formed at run time
+    # from one, makes XLA:CPU compile one slice kernel per offset)
+    plan = matrices.group_starts(
+        jax.eval_shape(self.items, flat_g, flat_u, flat_q, state.key, count))
+    if len(state.starts) != len(plan):
+      raise ValueError(f"low_rank_track: the state holds {len(state.starts)} split offsets, "
+                       f"the updates' tree needs {len(plan)}: a state from another tree?")
+    intact = (jnp.all(jnp.stack(state.starts) == jnp.asarray(plan, jnp.int32))
+              if plan else True)
 
     def refresh(ops):
       gs, us, qs, key, starts = ops
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = matrices.map_grouped(fn, items(gs, us, qs, key), starts=starts)
+      outs = matrices.map_grouped(fn, self.items(gs, us, qs, key, count), starts=starts)
+      outs = jax.tree.map(lambda o: jnp.where(intact, o, jnp.nan), outs)
       return [o[0] for o in outs], [o[1] for o in outs]
 
-    # the split offsets of the grouped results as run-time scalars (count is never < 0):
-    # computed here, outside the cond, XLA cannot fold them into the slices
-    shapes = jax.eval_shape(items, flat_g, flat_u, flat_q, state.key)
-    starts = [jnp.minimum(count, 0) + s for s in matrices.group_starts(shapes)]
     return jax.lax.cond((count % self.interval) == 0, refresh,
                         lambda ops: (ops[1], ops[2]),
-                        (flat_g, flat_u, flat_q, state.key, starts))
+                        (flat_g, flat_u, flat_q, state.key, list(state.starts)))
+
+  def flat(self, leaves):
+    """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""
+    return [None if x is None else x.astype(jnp.float32).reshape((-1,) + x.shape[-2:])
+            for x in leaves]
+
+  def flat_abstract(self, lv):
+    """The canonical gradients' ``[matrices, m, n]`` float32 shapes, from the views."""
+    return [jax.ShapeDtypeStruct((v.num_matrices, v.m, v.n), jnp.float32) for v in lv.views]
+
+  def items(self, gs, us, qs, key, count):
+    """The refresh's per-leaf arguments: the policy's operand, the basis, the tracked
+    state and the random words (:func:`fisher_optax.matrices.map_grouped` items)."""
+    xs = [self.policy.operand(g) for g in gs]
+    noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
+    return list(zip(xs, us, qs, noise))
 
   def noise(self, key, count, gs, us):
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
