@@ -28,6 +28,7 @@ Which leaves reach a block is decided by :mod:`fisher_optax.routing` (masks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -264,6 +265,17 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
   return out
 
 
+def shared(fn: Callable[..., Any], static_argnums=()) -> Callable[..., Any]:
+  """``fn`` (one leaf's or one matrix's computation) under ``jax.jit``, for a block to
+  call on every leaf of a tree: JAX traces and lowers it once per distinct argument
+  shape (the 130M LLaMA's 84 matrices have 4 shapes) and emits a call per leaf, where
+  calling ``fn`` itself traced it again for every leaf, so tracing, lowering and XLA's
+  passes grew with depth (issue 15). XLA inlines the calls: the computation is the same.
+  Closures over traced values (``optax.inject_hyperparams``) are allowed;
+  ``static_argnums`` as for ``jax.jit`` (e.g. a :class:`MatrixView`)."""
+  return jax.jit(fn, static_argnums=static_argnums)
+
+
 def cast_like(x: jax.Array, dtype) -> jax.Array:
   """``x.astype(dtype)``, saturating at the finite range of a narrower float dtype.
 
@@ -283,6 +295,19 @@ def side_flags(side: Optional[str]) -> dict:
   if side not in (None, "smaller", "larger"):
     raise ValueError(f"`side` must be 'smaller' or 'larger', got {side!r}")
   return dict(smaller_first=side == "smaller", larger_first=side == "larger")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _canonical_f32(x: jax.Array, view: MatrixView) -> jax.Array:
+  """A leaf -> its canonical float32 ``batch + (m, n)`` array (traced once per view)."""
+  return view.to_canonical(x).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def from_canonical_as(x: jax.Array, view: MatrixView, dtype) -> jax.Array:
+  """A canonical array -> the leaf's layout, cast (saturating, :func:`cast_like`) to
+  ``dtype``; traced once per view and dtype (:func:`shared`)."""
+  return cast_like(view.from_canonical(x), dtype)
 
 
 class Lifted:
@@ -316,7 +341,7 @@ class Lifted:
     self.views = [None if vectors and jnp.ndim(x) < 2
                   else matrix_view(jnp.shape(x), d, what=what, **flags)
                   for x, d in zip(self.leaves, dims_leaves)]
-    self.gcs = ([v.to_canonical(g).astype(jnp.float32) for g, v in zip(self.leaves, self.views)]
+    self.gcs = ([_canonical_f32(g, v) for g, v in zip(self.leaves, self.views)]
                 if canonical else None)
 
   def flat(self, tree: Any) -> list:
@@ -334,12 +359,14 @@ class Lifted:
 
   def per_matrix(self, fn: Callable[..., Any], *cols: Sequence[Any]) -> list:
     """``fn`` (written for one matrix) on every leaf, ``vmap``-ed over its batch axes;
-    ``cols`` are per-leaf argument lists (e.g. :attr:`gcs`, ``flat(state.s)``)."""
+    ``cols`` are per-leaf argument lists (e.g. :attr:`gcs`, ``flat(state.s)``). ``fn`` is
+    traced once per distinct argument shape (:func:`shared`)."""
+    fn = shared(fn)
     return [vmap_batch(fn, len(v.batch_shape))(*xs) for v, *xs in zip(self.views, *cols)]
 
   def to_leaves(self, canonical: Sequence[jax.Array]) -> Any:
     """Canonical per-leaf arrays -> a tree in the leaves' layouts and dtypes."""
-    return self.un([cast_like(v.from_canonical(o), g.dtype)
+    return self.un([from_canonical_as(o, v, jnp.dtype(g.dtype))
                     for o, v, g in zip(canonical, self.views, self.leaves)])
 
 
@@ -403,10 +430,15 @@ def map_grouped(fn, items: list, starts: Optional[Sequence[jax.Array]] = None) -
       if starts is None:
         out[j] = jax.tree.map(lambda o, s=start, z=size: o[s:s + z], res)
       else:
-        out[j] = jax.tree.map(
-            lambda o, s=starts[j], z=size: jax.lax.dynamic_slice_in_dim(o, s, z), res)
+        out[j] = jax.tree.map(lambda o, s=starts[j], z=size: _take(o, s, z), res)
       start += size
   return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
+  """``x[start:start + size]`` at a run-time ``start`` (traced once per shape)."""
+  return jax.lax.dynamic_slice_in_dim(x, start, size)
 
 
 def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, dims: DimsSpec,
@@ -415,5 +447,6 @@ def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, d
   leaf: canonical float32 layout, ``vmap`` over batch axes, back to the leaf's layout,
   cast (saturating) to the leaf's dtype. For stateless per-matrix blocks."""
   lv = Lifted(tree, dims, side=side, what=what, canonical=True)
-  return lv.to_leaves([vmap_batch(lambda m, v=v: fn(m, v), len(v.batch_shape))(g)
-                       for v, g in zip(lv.views, lv.gcs)])
+  one = shared(lambda m, v: vmap_batch(lambda x: fn(x, v), len(v.batch_shape))(m),
+               static_argnums=1)
+  return lv.to_leaves([one(g, v) for v, g in zip(lv.views, lv.gcs)])

@@ -109,3 +109,43 @@ def test_vmap_grouped_equals_per_leaf_draws_with_one_call_per_group():
     return lambda s: rp.random_basis(s, *group)
   jax.jit(lambda *a: matrices.vmap_grouped(counted, a, shapes)).lower(*seeds)
   assert sorted(calls) == [(4, 2), (5, 1)]
+
+
+def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():
+  """``Lifted.per_matrix`` runs ``fn`` under ``matrices.shared``: traced once per argument
+  shape however many leaves share it (vmap over a stack reuses the trace), same values as
+  calling ``fn`` leaf by leaf."""
+  traced = []
+
+  def fn(g, s):
+    traced.append((g.shape, s.shape))
+    return g * jnp.sum(g * g) + s[None, :]
+
+  tree = [jnp.full((3, 4), float(i)) for i in range(6)] + [jnp.ones((2, 3, 4)), jnp.ones((4, 5))]
+
+  def run(tree):
+    lv = matrices.Lifted(tree, matrices.MatrixDims(), what="test", canonical=True)
+    ss = [jnp.ones(v.batch_shape + (v.n,)) for v in lv.views]
+    return lv.per_matrix(fn, lv.gcs, ss)
+
+  out = jax.jit(run)(tree)
+  assert sorted(set(traced)) == [((3, 4), (4,)), ((4, 5), (5,))] and len(traced) == 2
+  for x, o in zip(tree, out):
+    ref = (jax.vmap(lambda g: fn(g, jnp.ones(4)))(x) if x.ndim == 3
+           else fn(x, jnp.ones(x.shape[-1])))
+    np.testing.assert_allclose(o, ref, rtol=1e-6)
+
+
+def test_shared_closes_over_traced_hyperparameters():
+  """A shared per-leaf function may close over values traced by an outer transformation
+  (``optax.inject_hyperparams`` passes its hyperparameters that way)."""
+
+  def update(beta, tree):
+    one = matrices.shared(lambda x: beta * x)
+    return [one(x) for x in tree]
+
+  tree = [jnp.ones((2, 2)), 2 * jnp.ones((2, 2))]
+  out = jax.jit(update)(jnp.float32(3.0), tree)
+  np.testing.assert_allclose(out[1], 6.0)
+  out = jax.jit(update)(jnp.float32(0.5), tree)
+  np.testing.assert_allclose(out[0], 0.5)

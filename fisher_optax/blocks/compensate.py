@@ -92,8 +92,15 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
   def update_fn(updates, state, params=None):
     del params
     p_tree = state.p if method == "optimal" else jax.tree.map(lambda _: None, state.phi)
-    one = functools.partial(_compensate_one, method=method, alpha_c=alpha_c, b1=b1,
-                            limiter=limiter, scale=scale)
+    # traced once per matrix shape (matrices.shared)
+    arrays = matrices.shared(functools.partial(
+        _compensate_arrays, method=method, alpha_c=alpha_c, b1=b1, limiter=limiter,
+        scale=scale))
+
+    def one(s, p, phi):
+      dense, p_new, phi = arrays(s.grad, s.basis, s.sigma, s.coeffs, p, phi)
+      return low_rank.to_leaf(s, dense), p_new, phi
+
     res = jax.tree.map(one, updates, p_tree, state.phi, is_leaf=low_rank.is_subspace)
     pick = lambda i: jax.tree.map(lambda _, r: r[i], state.phi, res)
     p = pick(1) if method == "optimal" else None
@@ -116,9 +123,9 @@ def _optimal_residual(g, u, sigma, p, b1):
   return resid, p_new
 
 
-def _compensate_one(s, p, phi, *, method, alpha_c, b1, limiter, scale):
-  """One :class:`~fisher_optax.blocks.low_rank.Subspace` -> (dense update, ``p``, ``phi``)."""
-  g, u, sigma, coeffs = s.grad, s.basis, s.sigma, s.coeffs
+def _compensate_arrays(g, u, sigma, coeffs, p, phi, *, method, alpha_c, b1, limiter, scale):
+  """One :class:`~fisher_optax.blocks.low_rank.Subspace`'s arrays (gradient, basis,
+  ``sigma``, coefficients; canonical layout) -> (dense canonical update, ``p``, ``phi``)."""
   m, r = u.shape[-2], u.shape[-1]
   if method == "optimal":
     resid, p_new = _optimal_residual(g, u, sigma, p, b1)
@@ -131,4 +138,4 @@ def _compensate_one(s, p, phi, *, method, alpha_c, b1, limiter, scale):
     norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
     eta, phi = limiter_lib.limit_growth(norm, phi, limiter)
     c = c * eta[..., None, None]
-  return low_rank.to_leaf(s, scale * low_rank.dense_low_rank(s) + alpha_c * c), p_new, phi
+  return scale * (u @ coeffs) + alpha_c * c, p_new, phi

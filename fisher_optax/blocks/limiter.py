@@ -67,6 +67,12 @@ def norm_growth_limiter(limiter: float = 1.01, *,
       return jnp.sqrt(jnp.sum(jnp.square(x)))
     return jnp.sqrt(jnp.sum(jnp.square(view.to_canonical(x)), axis=(-2, -1)))
 
+  def leaf(u, phi, view):
+    eta, phi = limit_growth(norm(u, view), phi, limiter)
+    if view is not None:
+      eta = view.expand_batch(eta)
+    return matrices.cast_like(u * eta, u.dtype), phi
+
   def init_fn(params):
     return NormGrowthLimiterState(phi=lift(params).per_view(
         lambda v: jnp.zeros(v.batch_shape if v else (), jnp.float32)))
@@ -75,11 +81,10 @@ def norm_growth_limiter(limiter: float = 1.01, *,
     del params
     lv = lift(updates)
     out, new_phi = [], []
+    one = matrices.shared(leaf, static_argnums=2)
     for u, phi, view in zip(lv.leaves, lv.flat(state.phi), lv.views):
-      eta, phi = limit_growth(norm(u, view), phi, limiter)
-      if view is not None:
-        eta = view.expand_batch(eta)
-      out.append(matrices.cast_like(u * eta, u.dtype))
+      o, phi = one(u, phi, view)
+      out.append(o)
       new_phi.append(phi)
     return lv.un(out), NormGrowthLimiterState(phi=lv.un(new_phi))
 

@@ -243,20 +243,31 @@ class _Tracker:
     q_leaves = lv.flat(state.tracked) if self.has_tracking else [None] * len(leaves)
     new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
     out, new_u, new_q = [], [], []
+    step = matrices.shared(self.project)  # traced once per leaf shape
     for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
                                         new_flat_q):
       u = u.reshape(u_old.shape)
-      sigma = jnp.swapaxes(u, -1, -2) @ gc
-      if q is not None:  # paper Eq. "tracking step"
+      if q is not None:
         q = q.reshape(view.batch_shape + q.shape[-2:])
-        q = self.b3 * q + (1 - self.b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
-        new_q.append(q.astype(self.sdtype))
-      new_u.append(u.astype(self.sdtype))
+      sigma, q, u_state = step(gc, u, q)
+      if q is not None:
+        new_q.append(q)
+      new_u.append(u_state)
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
     return lv.un(out), LowRankTrackState(
         count=optax.safe_int32_increment(state.count), basis=lv.un(new_u),
         tracked=lv.un(new_q) if self.has_tracking else None, key=state.key,
         starts=state.starts)
+
+  def project(self, gc, u, q):
+    """One leaf's step after the refresh: ``sigma = U^T G`` and, with tracking, paper Eq.
+    "tracking step" ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``; returns ``sigma``, ``Q~``
+    and ``U`` in the state dtype."""
+    sigma = jnp.swapaxes(u, -1, -2) @ gc
+    if q is not None:
+      q = self.b3 * q + (1 - self.b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
+      q = q.astype(self.sdtype)
+    return sigma, q, u.astype(self.sdtype)
 
   def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
@@ -308,7 +319,8 @@ class _Tracker:
   def items(self, gs, us, qs, key, count):
     """The refresh's per-leaf arguments: the policy's operand, the basis, the tracked
     state and the random words (:func:`fisher_optax.matrices.map_grouped` items)."""
-    xs = [self.policy.operand(g) for g in gs]
+    operand = matrices.shared(self.policy.operand)
+    xs = [operand(g) for g in gs]
     noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
     return list(zip(xs, us, qs, noise))
 
@@ -392,14 +404,20 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@jax.jit
+def _times(a: jax.Array, b: jax.Array) -> jax.Array:
+  return a @ b
+
+
 def dense_low_rank(s: Subspace) -> jax.Array:
-  """``U @ coeffs`` in canonical layout (float32)."""
-  return s.basis @ s.coeffs
+  """``U @ coeffs`` in canonical layout (float32; traced once per shape,
+  :func:`fisher_optax.matrices.shared`)."""
+  return _times(s.basis, s.coeffs)
 
 
 def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
   """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
-  return matrices.cast_like(s.view.from_canonical(canonical), s.dtype)
+  return matrices.from_canonical_as(canonical, s.view, jnp.dtype(s.dtype))
 
 
 def project_back() -> optax.GradientTransformation:

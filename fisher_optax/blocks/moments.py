@@ -48,14 +48,19 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     return ScaleByMomentsState(mu=otu.tree_zeros_like(params, dtype=dtype),
                                nu=otu.tree_zeros_like(params, dtype=dtype))
 
+  def leaf(u, mu, nu):
+    x = u.astype(jnp.float32)
+    mu = otu.tree_update_moment(x, mu, b1, 1)
+    nu = otu.tree_update_moment_per_elem_norm(x, nu, b2, 2)
+    out = matrices.cast_like(mu / (jnp.sqrt(nu) + eps), u.dtype)
+    return out, mu.astype(dtype), nu.astype(dtype)
+
   def update_fn(updates, state, params=None):
     del params
-    x = jax.tree.map(lambda u: u.astype(jnp.float32), updates)
-    mu = otu.tree_update_moment(x, state.mu, b1, 1)
-    nu = otu.tree_update_moment_per_elem_norm(x, state.nu, b2, 2)
-    out = jax.tree.map(lambda m, v, u: matrices.cast_like(m / (jnp.sqrt(v) + eps), u.dtype),
-                       mu, nu, updates)
-    return out, ScaleByMomentsState(mu=otu.tree_cast(mu, dtype), nu=otu.tree_cast(nu, dtype))
+    # traced once per leaf shape (matrices.shared)
+    res = jax.tree.map(matrices.shared(leaf), updates, state.mu, state.nu)
+    pick = lambda i: jax.tree.map(lambda _, r: r[i], updates, res)  # noqa: E731
+    return pick(0), ScaleByMomentsState(mu=pick(1), nu=pick(2))
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -78,8 +78,9 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lv.views]
     bases = matrices.vmap_grouped(lambda mr: lambda s: random_basis(s, *mr), seeds, shapes)
     nodes = []
+    project = matrices.shared(lambda basis, gc: jnp.swapaxes(basis, -1, -2) @ gc)
     for g, gc, basis, view in zip(lv.leaves, lv.gcs, bases, lv.views):
-      sigma = jnp.swapaxes(basis, -1, -2) @ gc
+      sigma = project(basis, gc)
       nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
                                      dtype=g.dtype))
     return lv.un(nodes), RandomProjectState(count=optax.safe_int32_increment(state.count),
@@ -109,8 +110,10 @@ def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformati
   def update_fn(updates, state, params=None):
     del params
 
+    scaled = matrices.shared(lambda g, coeffs, sigma: g * norm_ratio(coeffs, sigma, kind))
+
     def one(s):
-      return low_rank.to_leaf(s, s.grad * norm_ratio(s.coeffs, s.sigma, kind))
+      return low_rank.to_leaf(s, scaled(s.grad, s.coeffs, s.sigma))
 
     return jax.tree.map(one, updates, is_leaf=low_rank.is_subspace), state
 
