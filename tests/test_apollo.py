@@ -59,6 +59,11 @@ def test_apollo_mini_state_is_2n_plus_2_per_matrix():
   for shape in [(16, 40), (40, 16)]:
     state = jax.eval_shape(fo.apollo_mini(LR).init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
     sub = state.inner_states["structured"].inner_state
+    is_proj = lambda x: isinstance(x, rp.RandomProjectState)  # noqa: E731
+    offsets = [x.starts for x in jax.tree.leaves(sub, is_leaf=is_proj) if is_proj(x)]
+    assert [len(o) for o in offsets] == [1]  # the draw's split offset, one per leaf
+    sub = jax.tree.map(lambda x: x._replace(starts=()) if is_proj(x) else x, sub,
+                       is_leaf=is_proj)
     counters = [x for x in jax.tree.leaves(sub) if x.dtype == jnp.int32 and x.shape == ()]
     assert len(counters) == 2  # projection and bias-correction step counters, shared
     per_matrix = fo.state_numbers(sub) - len(counters)
@@ -80,3 +85,53 @@ def test_seed_renewed_at_refresh_only():
 def test_invalid_kind():
   with pytest.raises(ValueError, match="kind"):
     fo.scale_by_subspace_ratio("rows")
+
+
+def test_draw_split_offsets_live_in_the_state_and_are_checked():
+  """``random_project`` splits its grouped draws at offsets the state holds (int32
+  scalars, one per leaf): updates as with the static split; edited offsets give NaN
+  projections (not another leaf's); a state from another tree is a ValueError."""
+  from fisher_optax import matrices
+  params = {"a": jnp.zeros((6, 9)), "b": jnp.zeros((2, 6, 11)), "c": jnp.zeros((9, 6))}
+  tx = fo.random_project(rank=3, interval=2, dims=fo.MatrixDims())
+  s = tx.init(params)
+  assert [int(x) for x in s.starts] == [0, 1, 3]  # (6, 3) draws: a 1, b 2, c 1
+  rng = np.random.default_rng(0)
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
+                        params) for _ in range(3)]
+  step = tx.update  # eager: Subspace nodes carry the basis as metadata
+
+  def run(st):
+    outs = []
+    for g in grads:
+      out, st = step(g, st)
+      outs.append(out)
+    return outs
+
+  outs = run(s)
+  static = matrices.vmap_grouped
+  try:  # the static split
+    matrices.vmap_grouped = lambda fn, args, groups, starts=None: static(fn, args, groups)
+    outs2 = run(s)
+  finally:
+    matrices.vmap_grouped = static
+  for o, o2 in zip(outs, outs2):
+    for k in params:
+      np.testing.assert_array_equal(np.asarray(o[k].coeffs), np.asarray(o2[k].coeffs))
+      np.testing.assert_array_equal(np.asarray(o[k].basis), np.asarray(o2[k].basis))
+  out, _ = step(grads[0], s._replace(starts=(s.starts[0], s.starts[2], s.starts[1])))
+  assert all(bool(jnp.all(jnp.isnan(out[k].basis))) for k in params)
+  with pytest.raises(ValueError, match="split offsets"):
+    tx.update({"a": grads[0]["a"]}, tx.init({"a": params["a"]})._replace(starts=s.starts))
+
+
+def test_rank_one_projection_equals_the_matrix_product():
+  """APOLLO-mini's ``r = 1`` projection is written as multiply-reduce (compile time):
+  the same ``U^T G`` as the matrix product, to float32 rounding."""
+  rng = np.random.default_rng(1)
+  u = jnp.asarray(rng.standard_normal((2, 7, 1)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((2, 7, 5)), jnp.float32)
+  got = rp._project(u, g)
+  assert got.shape == (2, 1, 5)
+  np.testing.assert_allclose(got, jnp.swapaxes(u, -1, -2) @ g, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(rp._project(u[..., :1], g), got)

@@ -111,6 +111,23 @@ def test_vmap_grouped_equals_per_leaf_draws_with_one_call_per_group():
   assert sorted(calls) == [(4, 2), (5, 1)]
 
 
+def test_vmap_grouped_split_at_run_time_offsets_equals_the_static_split():
+  """With ``starts`` (``vmap_grouped_starts`` as int32 scalars) the grouped draws are split
+  with ``dynamic_slice``: bitwise the static split."""
+  from fisher_optax.blocks import random_projection as rp
+  seeds = [jnp.uint32(3), jnp.arange(6, dtype=jnp.uint32).reshape(2, 3), jnp.uint32(9),
+           jnp.uint32(11)]
+  shapes = [(4, 2), (4, 2), (5, 1), (4, 2)]
+  starts = matrices.vmap_grouped_starts([jnp.shape(s) for s in seeds], shapes)
+  assert starts == [0, 1, 0, 7]
+  fn = lambda mr: lambda s: rp.random_basis(s, *mr)  # noqa: E731
+  want = jax.jit(lambda *a: matrices.vmap_grouped(fn, a, shapes))(*seeds)
+  got = jax.jit(lambda st, *a: matrices.vmap_grouped(fn, a, shapes, starts=st))(
+      [jnp.int32(x) for x in starts], *seeds)
+  for x, y in zip(got, want):
+    np.testing.assert_array_equal(x, y)
+
+
 def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():
   """``Lifted.per_matrix`` runs ``fn`` under ``matrices.shared``: traced once per argument
   shape however many leaves share it (vmap over a stack reuses the trace), same values as
