@@ -5,7 +5,8 @@ Alg. "Apollo"; the APOLLO release).
 with ``sigma = U^T G`` for a Gaussian ``U`` (``m x r``, entries ``N(0, 1/r)``,
 smaller side) that is *regenerated* every step from a per-matrix seed kept in the
 state; the seed is renewed at every refresh (``(t - 1) mod interval == 0``, t > 1).
-No basis is stored: per matrix the state is one seed.
+No basis is stored: per matrix the state is one seed (and per leaf one int32 offset into
+the grouped draw, :class:`RandomProjectState`).
 
 :func:`scale_by_subspace_ratio` maps each node to a dense update that scales the
 *raw* gradient::
