@@ -94,6 +94,21 @@ def test_sharded_equals_single_device(name):
   assert sharded["w"].sharding.spec == SPECS["w"]
 
 
+@pytest.mark.parametrize("name", ["racs", "alice", "galore"])
+def test_make_mesh_with_auto_axes_under_set_mesh(name):
+  """``jax.make_mesh`` with ``Auto`` axis types, set as the context mesh (the README's
+  recipe; its default ``Explicit`` axes are not supported yet): same updates as one
+  device."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  tx = getattr(fo, name)(0.01, **_kw(name))
+  single, _ = _run(tx, 3)
+  with jax.set_mesh(mesh):
+    sharded, _ = _run(tx, 3, mesh=mesh)
+  _close_updates(sharded, single, name)
+  assert sharded["w"].sharding.spec == SPECS["w"]
+
+
 def test_state_specs_follow_parameter_axes():
   tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims())
   specs = fo.state_partition_specs(tx, _params(), SPECS, mesh=_mesh())
