@@ -240,6 +240,7 @@ def vmap_batch(fn: Callable[..., Any], nbatch: int) -> Callable[..., Any]:
 
 
 def _members(groups: Sequence[Any]) -> dict:
+  """``{key: [indices with that key]}`` for a list of static keys, in first-seen order."""
   members: dict = {}
   for i, key in enumerate(groups):
     members.setdefault(key, []).append(i)
@@ -396,11 +397,8 @@ class Lifted:
 def _groups(items: list) -> list:
   """Indices of ``items`` (argument tuples of arrays or shape-dtype structs) grouped by
   the shapes of their arguments after the stack axis, in first-seen order."""
-  groups: dict = {}
-  for j, args in enumerate(items):
-    key = tuple(None if a is None else tuple(a.shape[1:]) for a in args)
-    groups.setdefault(key, []).append(j)
-  return list(groups.values())
+  return list(_members([tuple(None if a is None else tuple(a.shape[1:]) for a in args)
+                        for args in items]).values())
 
 
 def _stack_size(args) -> int:
