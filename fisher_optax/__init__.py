@@ -32,10 +32,11 @@ __all__ = [
     "scale_by_two_sided", "norm_growth_limiter", "low_rank_track", "on_coefficients",
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
     "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",
-    "MatrixDims", "NOT_A_MATRIX", "default_mask", "path_mask", "in_float32", "describe",
+    "with_auto_axes", "MatrixDims", "NOT_A_MATRIX", "default_mask", "path_mask", "in_float32", "describe",
     "Description", "flax_dims",
     "state_bytes", "state_numbers", "paper_state_numbers",
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",
 ]
 from fisher_optax.sharding import state_partition_specs, state_shardings  # noqa: E402
+from fisher_optax.explicit_axes import with_auto_axes  # noqa: E402

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fisher_optax import explicit_axes
 from fisher_optax.matrices import (NOT_A_MATRIX, DimsSpec, MatrixDims,  # noqa: F401
                                    MatrixView, NotAMatrix, cast_like, is_matrix_shape,
                                    matrix_view, resolve_dims, views_like, vmap_batch)
@@ -192,14 +193,16 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   """Structured rule on the leaves selected by ``mask``, ``fallback`` on the rest.
 
   Built on ``optax.partition``; the label of a leaf is ``"structured"`` or
-  ``"fallback"``.
+  ``"fallback"``. The structured rule runs with a context mesh's ``Explicit`` axes as
+  ``Auto`` (:func:`fisher_optax.explicit_axes.with_auto_axes`).
   """
 
   def labels(params):
     sel = resolve_mask(mask, params, dims)
     return jax.tree.map(lambda s: "structured" if s else "fallback", sel)
 
-  tx = optax.partition({"structured": structured, "fallback": fallback}, labels)
+  tx = optax.partition({"structured": explicit_axes.with_auto_axes(structured),
+                        "fallback": fallback}, labels)
   out = RoutedTransformation(tx.init, tx.update)
   out.labels, out.dims, out.info = labels, dims, dict(info or {})
   return out

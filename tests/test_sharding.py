@@ -109,6 +109,63 @@ def test_make_mesh_with_auto_axes_under_set_mesh(name):
   assert sharded["w"].sharding.spec == SPECS["w"]
 
 
+# One optimizer per family of blocks by default (two-sided scaling, low-rank tracking with
+# switching and compensation, nested low-rank, GaLore's projection, random projection,
+# rotation, whitening); the others share those blocks and run with ``-m slow``.
+_EXPLICIT_DEFAULT = ("racs", "alice", "alice_soap", "galore", "apollo", "soap", "swan")
+
+
+@pytest.mark.parametrize("name", [n if n in _EXPLICIT_DEFAULT else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in NAMED_KW])
+def test_make_mesh_with_explicit_axes_under_set_mesh(name):
+  """``jax.make_mesh``'s default ``Explicit`` axes, set as the context mesh: the structured
+  rule runs on ``Auto`` axes (``fo.with_auto_axes``), same updates as one device, and
+  the updates and state keep their sharding types from step to step."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  assert mesh.explicit_axes == ("data", "fsdp", "tensor")
+  tx = getattr(fo, name)(0.01, **_kw(name))
+  single, _ = _run(tx, 3)
+  with jax.set_mesh(mesh):
+    sharded, state = _run(tx, 3, mesh=mesh)
+  _close_updates(sharded, single, name)
+  assert jax.typeof(sharded["w"]).sharding.spec == SPECS["w"]
+  want = fo.state_partition_specs(tx, _params(), SPECS, mesh=mesh)
+  got = jax.tree.map(lambda x: x.sharding.spec, state)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+
+
+def test_with_auto_axes_runs_a_chain_of_blocks_on_an_explicit_mesh():
+  """A hand-built low-rank chain (not routed by a named optimizer) raises a sharding type
+  error on an ``Explicit`` mesh, and runs there, as on one device, once wrapped."""
+  params = {"w": _params()["w"]}
+  dims = fo.MatrixDims()
+  chain = optax.chain(fo.low_rank_track(rank=4, interval=2, dims=dims),
+                      fo.on_coefficients(optax.scale_by_adam(), rank=4, dims=dims),
+                      fo.compensate(dims=dims), optax.scale(-0.01))
+  mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"))
+  spec = {"w": P("fsdp", "tensor")}
+
+  def run(tx, mesh=None):
+    p = params if mesh is None else jax.device_put(params, {"w": NamedSharding(mesh, spec["w"])})
+    state = jax.jit(tx.init)(p)
+    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
+    for t in range(3):
+      g = {"w": _grads(t)["w"]}
+      if mesh is not None:
+        g = jax.device_put(g, {"w": NamedSharding(mesh, spec["w"])})
+      p, state = step(p, state, g)
+    return p
+
+  single = run(chain)
+  with jax.set_mesh(mesh):
+    with pytest.raises(Exception, match="[Ss]harding"):
+      run(chain, mesh)
+    sharded = run(fo.with_auto_axes(chain), mesh)
+  assert jax.typeof(sharded["w"]).sharding.spec == spec["w"]
+  np.testing.assert_allclose(np.asarray(sharded["w"]), np.asarray(single["w"]), rtol=0,
+                             atol=1e-5)
+
+
 def test_state_specs_follow_parameter_axes():
   tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims())
   specs = fo.state_partition_specs(tx, _params(), SPECS, mesh=_mesh())
