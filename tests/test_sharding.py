@@ -96,9 +96,8 @@ def test_sharded_equals_single_device(name):
 
 @pytest.mark.parametrize("name", ["racs", "alice", "galore"])
 def test_make_mesh_with_auto_axes_under_set_mesh(name):
-  """``jax.make_mesh`` with ``Auto`` axis types, set as the context mesh (the README's
-  recipe; its default ``Explicit`` axes are not supported yet): same updates as one
-  device."""
+  """``jax.make_mesh`` with ``Auto`` axis types, set as the context mesh (no
+  ``auto_axes`` region is entered): same updates as one device."""
   mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
   tx = getattr(fo, name)(0.01, **_kw(name))
