@@ -131,10 +131,10 @@ def test_chain_inject_hyperparams_multisteps_and_schedules(name):
       assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
   # inject_hyperparams: the learning rate can be changed in the state
   opt = fo.inject_hyperparams(factory)(learning_rate=LR, **kw)
-  s = opt.init(params)
-  u1, _ = opt.update(grads_at(params, 0), s, params)
+  s, upd = opt.init(params), jax.jit(opt.update)
+  u1, _ = upd(grads_at(params, 0), s, params)
   s.hyperparams["learning_rate"] = jnp.asarray(2 * LR)
-  u2, _ = opt.update(grads_at(params, 0), s, params)
+  u2, _ = upd(grads_at(params, 0), s, params)
   np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-5)
 
 

@@ -154,12 +154,13 @@ def test_property_finite_dtype_and_deterministic(name, m, n, stack, dtype, log_s
   grads = [{k: jnp.asarray(rng.standard_normal(p.shape) * scale, dtype)
             for k, p in params.items()} for _ in range(3)]
 
-  def run():
+  def run():  # a fresh transformation and jit each time: two independent builds
     tx = getattr(fo, name)(0.01, **_kw(name, rank=3), mask=mask)
     s = tx.init(params)
+    update = jax.jit(tx.update)
     outs = []
     for g in grads:
-      u, s = tx.update(g, s, params)
+      u, s = update(g, s, params)
       outs.append(u)
     return outs, s
 
