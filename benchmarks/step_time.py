@@ -44,17 +44,39 @@ from examples.llama.model import Llama
 OPTIMIZERS = ("racs", "alice", "alice0", "galore", "fira", "apollo", "apollo_mini",
               "eigen_adam", "soap", "shampoo")
 
+# optax's own optimizers of the same kinds, as yardsticks (``--optimizers adafactor,...``):
+# factored row/column second moments (as RACS's two-sided scaling) and optax.contrib's
+# GaLore at the preset's rank and refresh interval, its embeddings left to its base Adam
+# as ours are; ``muon`` (optax.contrib.muon) comes from examples/llama/presets.py, routed
+# as in the LLaMA runs.
+PEERS = {
+    "adafactor": lambda preset, lr: optax.adafactor(lr),
+    "optax_galore": lambda preset, lr: optax.contrib.galore(
+        lr, rank=presets.LOW_RANK[preset][0], update_proj_gap=presets.LOW_RANK[preset][2],
+        mask=fo.path_mask(exclude=["embed"])),
+}
+
+
+def build(name: str, preset: str, learning_rate: float = 1e-3, **kw):
+  """``name``'s transformation for ``preset``: Adam, an optax peer (:data:`PEERS`), or a
+  LLaMA-preset optimizer (``kw``: e.g. ``stack_matrices``, ``dims``, ours only)."""
+  if name == "adam":
+    return optax.adam(learning_rate)
+  if name in PEERS:
+    return PEERS[name](preset, learning_rate)
+  return presets.make_optimizer(name, preset, learning_rate, **kw)
+
 
 def interval_of(name: str, preset: str) -> int:
-  return {"eigen_adam": 10, "soap": 10, "shampoo": 10, "racs": 1}.get(
+  return {"eigen_adam": 10, "soap": 10, "shampoo": 10, "racs": 1, "adafactor": 1}.get(
       name, presets.LOW_RANK[preset][2])
 
 
 def setup(name: str, preset: str, stack_matrices: bool = False):
   cfg = presets.model_config(preset)
   params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
-  kw = dict(stack_matrices=True) if stack_matrices and name not in ("adamw", "muon") else {}
-  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3, **kw)
+  kw = dict(stack_matrices=True) if stack_matrices and _ours(name) else {}
+  tx = build(name, preset, **kw)
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), p.shape, p.dtype) * 1e-2,
                        params)
   step = jax.jit(tx.update)
@@ -88,15 +110,18 @@ def abstract_params(preset: str, *, stacked: bool = False, layers: int | None = 
   return params, jax.tree_util.tree_map_with_path(dims_of, params)
 
 
+def _ours(name: str) -> bool:
+  return name not in ("adam", "adamw", "muon") and name not in PEERS
+
+
 def compile_seconds(name: str, preset: str, *, stacked: bool = False,
                     layers: int | None = None, stack_matrices: bool = False) -> float:
   """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
   params, dims = abstract_params(preset, stacked=stacked, layers=layers)
-  ours = name not in ("adam", "adamw", "muon")
-  kw = {} if dims is None or not ours else dict(dims=dims)
-  if stack_matrices and ours:
+  kw = {} if dims is None or not _ours(name) else dict(dims=dims)
+  if stack_matrices and _ours(name):
     kw["stack_matrices"] = True
-  tx = optax.adam(1e-3) if name == "adam" else presets.make_optimizer(name, preset, 1e-3, **kw)
+  tx = build(name, preset, **kw)
   state = jax.eval_shape(tx.init, params)
   jax.clear_caches()
   t0 = time.perf_counter()

@@ -5,6 +5,9 @@ import sys
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -42,6 +45,29 @@ def test_step_time_compile_only_runs_on_tiny():
   assert row["repeat"] == 2 and len(row["ratios"]) == 2  # the fastest of two rounds
   assert abs(row["ratio_compile"] - row["compile_s"] / row["adam_compile_s"]) < 1e-9
   assert row["ratio_compile"] in row["ratios"]
+
+
+def test_step_time_builds_optax_peers_as_optax_builds_them():
+  """The yardsticks are optax's own transformations: same state structure and updates as
+  optax.adafactor and optax.contrib.galore (embeddings masked out) built directly."""
+  from benchmarks import step_time
+  params = {"embed": {"embedding": jnp.ones((16, 8))}, "w": jnp.ones((40, 48)) * 0.1}
+  grads = jax.tree.map(lambda p: jnp.sin(jnp.arange(p.size, dtype=jnp.float32)).reshape(p.shape),
+                       params)
+  rank, _, gap = step_time.presets.LOW_RANK["tiny"]
+  assert gap > 1 and rank >= 1
+  direct = {"adafactor": optax.adafactor(1e-3),
+            "optax_galore": optax.contrib.galore(
+                1e-3, rank=rank, update_proj_gap=gap,
+                mask=lambda p: {"embed": {"embedding": False}, "w": True})}
+  for name, want_tx in direct.items():
+    tx = step_time.build(name, "tiny")
+    got, want = tx.update(grads, tx.init(params), params), want_tx.update(
+        grads, want_tx.init(params), params)
+    assert jax.tree.structure(got) == jax.tree.structure(want), name
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, err_msg=name)
+  assert step_time.interval_of("adafactor", "tiny") == 1
 
 
 def test_step_time_stacked_tree_routes_layer_stacks():
