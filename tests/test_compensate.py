@@ -27,7 +27,10 @@ def test_compensation_orthogonal_to_span_u(method):
     u = np.asarray(s[0].basis["w"], np.float64)
     low = u @ u.T @ np.asarray(g, np.float64)
     comp = np.asarray(out["w"], np.float64) - low
-    np.testing.assert_allclose(u.T @ comp, 0.0, atol=1e-5)
+    # orthogonal up to float32 rounding, relative to each column's size (the columns are
+    # ~6 long at step 1: an absolute 1e-5 was at the edge of a float32 eigenbasis)
+    bound = 1e-5 * np.linalg.norm(comp, axis=0)
+    np.testing.assert_array_less(np.abs(u.T @ comp), np.broadcast_to(bound, (3, 11)))
     assert np.linalg.norm(comp) > 0.1
 
 
