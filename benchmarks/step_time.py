@@ -13,7 +13,10 @@ interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
 ``--compile-only`` lowers and compiles each update on abstract shapes (no arrays, no
 timing runs) and prints compile seconds and their ratio to Adam's, each optimizer
 between two Adam compiles (their mean is the reference: load on the machine drifts);
-``--repeat N`` does that N times per optimizer and reports the fastest round.
+``--repeat N`` does that N times per optimizer and reports the fastest round; each row
+also gives the update's XLA temporary memory (``compiled.memory_analysis()``: buffers
+beyond its arguments and outputs, e.g. ``stack_matrices``' copy of the matrix
+gradients) against Adam's.
 ``--stacked`` gives it the tree of a model that stacks its layers (``nnx.scan``-style:
 one ``[L, m, n]`` leaf per layer parameter, routed with ``fo.MatrixDims()``, norm
 stacks ``[L, d]`` to the fallback), the layout of scanned-layer LLaMA implementations;
@@ -115,8 +118,9 @@ def _ours(name: str) -> bool:
 
 
 def compile_seconds(name: str, preset: str, *, stacked: bool = False,
-                    layers: int | None = None, stack_matrices: bool = False) -> float:
-  """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes."""
+                    layers: int | None = None, stack_matrices: bool = False) -> tuple:
+  """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes,
+  and the compiled update's temporary memory in bytes (XLA's ``memory_analysis``)."""
   params, dims = abstract_params(preset, stacked=stacked, layers=layers)
   kw = {} if dims is None or not _ours(name) else dict(dims=dims)
   if stack_matrices and _ours(name):
@@ -125,8 +129,10 @@ def compile_seconds(name: str, preset: str, *, stacked: bool = False,
   state = jax.eval_shape(tx.init, params)
   jax.clear_caches()
   t0 = time.perf_counter()
-  jax.jit(tx.update).lower(params, state, params).compile()
-  return time.perf_counter() - t0
+  compiled = jax.jit(tx.update).lower(params, state, params).compile()
+  seconds = time.perf_counter() - t0
+  memory = compiled.memory_analysis()
+  return seconds, (memory.temp_size_in_bytes if memory is not None else float("nan"))
 
 
 def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices=False,
@@ -137,24 +143,26 @@ def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_ma
   compiles around it in that round (a 2-core machine's readings of one build move by
   ~15%)."""
   kw = dict(stacked=stacked, layers=layers)
-  results, adam = [], compile_seconds("adam", preset, **kw)
+  adam, adam_temp = compile_seconds("adam", preset, **kw)
+  results = []
   for name in names:
     rounds = []
     for _ in range(repeat):
-      c = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
-      adam_next = compile_seconds("adam", preset, **kw)
+      c, temp = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
+      adam_next, _ = compile_seconds("adam", preset, **kw)
       rounds.append((c, 0.5 * (adam + adam_next)))
       adam = adam_next
     c, ref = min(rounds)
     results.append(dict(optimizer=name, preset=preset, stacked=stacked, layers=layers,
                         stack_matrices=stack_matrices, repeat=repeat,
                         compile_s=c, adam_compile_s=ref, ratio_compile=c / ref,
-                        ratios=[x / a for x, a in rounds]))
+                        ratios=[x / a for x, a in rounds],
+                        temp_mib=temp / 2**20, adam_temp_mib=adam_temp / 2**20))
     if not as_json:
       spread = (f"  (rounds {min(x / a for x, a in rounds):.2f}-"
                 f"{max(x / a for x, a in rounds):.2f}x)" if repeat > 1 else "")
-      print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x{spread}",
-            flush=True)
+      print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x{spread}"
+            f"  temp {temp / 2**20:7.1f} MiB (adam {adam_temp / 2**20:.1f})", flush=True)
   if as_json:
     print(json.dumps(results, indent=2))
 

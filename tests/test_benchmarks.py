@@ -45,6 +45,7 @@ def test_step_time_compile_only_runs_on_tiny():
   assert row["repeat"] == 2 and len(row["ratios"]) == 2  # the fastest of two rounds
   assert abs(row["ratio_compile"] - row["compile_s"] / row["adam_compile_s"]) < 1e-9
   assert row["ratio_compile"] in row["ratios"]
+  assert row["temp_mib"] >= 0 and row["adam_temp_mib"] >= 0  # XLA's memory_analysis
 
 
 def test_step_time_builds_optax_peers_as_optax_builds_them():
