@@ -1,10 +1,10 @@
 """fisher_optax: memory-efficient optimizers from structured Fisher approximation.
 
-Public API only (re-exports). See SPEC.md and the paper
-"Towards Efficient Optimizer Design for LLM via Structured Fisher Approximation
-with a Low-Rank Extension".
+Public API only (re-exports). The paper: "Towards Efficient Optimizer Design for LLM
+via Structured Fisher Approximation with a Low-Rank Extension", arXiv:2502.07752.
 """
 
+from fisher_optax._version import __version__
 from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthLimiterState,
                                  OnCoefficientsState, ScaleByBiasCorrectionState,
                                  ScaleByMomentsState, ScaleByTwoSidedState, Subspace, Switch,
@@ -13,16 +13,19 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.optimizers import (alice, alice0, alice_soap, apollo, apollo_mini, eigen_adam, fira, galore,
+from fisher_optax.optimizers import (alice, alice0, alice_soap, apollo, apollo_mini,
+                                     default_leading, eigen_adam, fira, galore,
                                      inject_hyperparams, muon, racs, shampoo, soap, swan)
-from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,  # noqa: E402
+from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,
                                  scale_by_shape, whiten)
-from fisher_optax.routing import (NOT_A_MATRIX, MatrixDims, default_mask, in_float32,
-                                  path_mask)
+from fisher_optax.matrices import DimsRule
+from fisher_optax.routing import (NOT_A_MATRIX, MatrixDims, PathMask, default_mask,
+                                  in_float32, path_mask)
 from fisher_optax.describe import Description, describe
-from fisher_optax.flax_dims import flax_dims
+from fisher_optax.flax_dims import FlaxDims, flax_dims
+from fisher_optax.sharding import state_partition_specs, state_shardings
+from fisher_optax.explicit_axes import with_auto_axes
 
-__version__ = "0.1.0"
 
 __all__ = [
     "alice", "alice0", "alice_soap", "fira", "galore", "racs", "eigen_adam", "soap", "shampoo",
@@ -33,10 +36,9 @@ __all__ = [
     "project_back", "compensate", "switch", "svd_refresh", "scale_by_moments",
     "scale_by_bias_correction", "Subspace", "Switch", "SvdRefresh",
     "with_auto_axes", "MatrixDims", "NOT_A_MATRIX", "default_mask", "path_mask", "in_float32", "describe",
-    "Description", "flax_dims",
+    "Description", "flax_dims", "FlaxDims", "DimsRule", "PathMask", "default_leading",
+    "state_partition_specs", "state_shardings",
     "state_bytes", "state_numbers", "paper_state_numbers",
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByTwoSidedState",
 ]
-from fisher_optax.sharding import state_partition_specs, state_shardings  # noqa: E402
-from fisher_optax.explicit_axes import with_auto_axes  # noqa: E402

@@ -30,9 +30,18 @@ class LeafRouting:
   state_numbers: int        # this leaf's optimizer-state numbers
   adam_numbers: int         # Adam's: 2 x size
 
+  @property
+  def above_adam(self) -> bool:
+    """A structured leaf whose state is larger than Adam's would be."""
+    return self.rule not in ("fallback", "other") and self.state_numbers > self.adam_numbers
+
 
 @dataclasses.dataclass(frozen=True)
 class Description:
+  """What :func:`describe` returns: one row per parameter leaf (path, shape, rule, matrix
+  view, rank, state numbers, Adam's) and a
+  note; ``str()`` prints the table with totals and the state's share of Adam's."""
+
   rows: tuple
   note: str = ""
 
@@ -44,13 +53,19 @@ class Description:
   def adam_numbers(self) -> int:
     return sum(r.adam_numbers for r in self.rows)
 
+  @property
+  def above_adam(self) -> tuple:
+    """Paths of the structured leaves whose state is larger than Adam's."""
+    return tuple(r.path for r in self.rows if r.above_adam)
+
   def as_dicts(self) -> list[dict]:
     return [dataclasses.asdict(r) for r in self.rows]
 
   def __str__(self) -> str:
     head = ("path", "shape", "rule", "matrix view", "rank", "state", "Adam")
     body = [(r.path, "x".join(map(str, r.shape)) or "()", r.rule, r.view,
-             "-" if r.rank is None else str(r.rank), f"{r.state_numbers:,}",
+             "-" if r.rank is None else str(r.rank),
+             f"{r.state_numbers:,}" + (" !" if r.above_adam else ""),
              f"{r.adam_numbers:,}") for r in self.rows]
     ratio = self.state_numbers / max(self.adam_numbers, 1)
     body.append(("total", "", "", "", "", f"{self.state_numbers:,}",
@@ -63,54 +78,83 @@ class Description:
     return "\n".join(lines)
 
 
-def _find_routed(tx) -> Optional[routing.RoutedTransformation]:
-  return tx if isinstance(tx, routing.RoutedTransformation) else None
-
-
 def describe(tx: Any, params: Any) -> Description:
-  """Routing table of ``tx`` (a fisher_optax named optimizer) over ``params``."""
-  routed = _find_routed(tx)
+  """Routing table of ``tx`` over ``params``: every leaf's rule, matrix view, rank and
+  optimizer-state numbers beside Adam's.
+
+  ``tx`` is a fisher_optax named optimizer, or any transformation built around named
+  optimizers -- ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+  ``optax.apply_if_finite``, ``optax.partition``/``optax.multi_transform``,
+  ``optax.masked`` -- whose ``init`` calls theirs: ``describe`` traces ``tx.init`` with
+  ``jax.eval_shape`` (nothing is computed) and records what each named optimizer inside
+  was given. Leaves that no named optimizer receives are listed with rule
+  ``"other"``; when ``tx`` holds no named optimizer at all, the note says so. A leaf whose
+  state is larger than Adam's (a rank clipped to a small matrix's side can do that) is
+  marked ``!`` and listed in :attr:`~fisher_optax.Description.above_adam`.
+
+  The state column counts every state array that ends in the leaf's path (wrappers'
+  accumulators included, e.g. ``optax.MultiSteps``'s gradient sum).
+  """
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  if routed is not None:
-    labels = jax.tree.leaves(routed.labels(params))
-    dims = jax.tree.leaves(matrices.resolve_dims(routed.dims, params),
+  paths = [routing.path_to_str(p) for p, _ in flat]
+  with routing.record_routed_inits() as found:
+    # a new function each call: jax caches traces by function, and a cached trace would
+    # not run the inits that record themselves
+    state = jax.eval_shape(lambda p: tx.init(p), params)
+  seen = {}  # outer leaf path -> (record, label, dims)
+  for rec in found:
+    inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
+    labels = jax.tree.leaves(rec.labels)
+    dims = jax.tree.leaves(matrices.resolve_dims(rec.routed.dims, rec.params),
                            is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
-    name, rank = routed.info.get("name", "structured"), routed.info.get("rank")
-    note = ""
-  else:
-    labels = ["fallback"] * len(flat)
-    dims = [None] * len(flat)
-    name, rank, note = "?", None, "not a fisher_optax named optimizer: rules unknown"
-  counts = _state_numbers_by_leaf(tx, params, [p for p, _ in flat])
-  if routed is not None and routed.info.get("stack_matrices"):
-    _add_stacked_state(counts, routed, params)
+    for (path, _), label, d in zip(inner, labels, dims):
+      seen.setdefault(routing.path_to_str(path), (rec, label, d))
+  counts = _state_numbers_by_leaf(state, [p for p, _ in flat])
+  for rec in found:
+    if rec.routed.info.get("stack_matrices"):
+      _add_stacked_state(counts, rec, paths)
+  note = "" if found else "no fisher_optax named optimizer inside tx: rules unknown"
+  notes = [note] if note else []
   rows = []
-  for (path, x), label, d, n in zip(flat, labels, dims, counts):
+  for (path, x), key, n in zip(flat, paths, counts):
     shape = tuple(np.shape(x))
     size = int(math.prod(shape))
-    view, r = "-", None
-    if label == "fallback" and routed is not None and routed.dims is None and len(shape) > 2:
-      view = "? *"
-      note = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
-              "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
-              "(Flax NNX) or fo.MatrixDims(...)")
-    if label == "structured":
-      v = matrices.matrix_view(shape, d, smaller_first=True)
-      view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
-      if rank is not None:
-        r = min(int(rank), v.m)
-    rows.append(LeafRouting(routing.path_to_str(path), shape,
-                            name if label == "structured" else "fallback", view, r, n,
-                            2 * size))
-  return Description(tuple(rows), note)
+    view, r, rule = "-", None, "fallback" if not found else "other"
+    if key in seen:
+      rec, label, d = seen[key]
+      rule = rec.routed.info.get("name", "structured") if label == "structured" else "fallback"
+      if label == "fallback" and rec.routed.dims is None and len(shape) > 2:
+        view = "? *"
+        star = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
+                "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
+                "(Flax NNX) or fo.MatrixDims(...)")
+        if star not in notes:
+          notes.append(star)
+      if label == "structured":
+        v = matrices.matrix_view(shape, d, smaller_first=True)
+        view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
+        rank = rec.routed.info.get("rank")
+        if rank is not None:
+          r = min(int(rank), v.m)
+    rows.append(LeafRouting(key, shape, rule, view, r, n, 2 * size))
+  if any(row.rule == "other" for row in rows):
+    notes.append("other: leaves that no fisher_optax named optimizer inside tx receives")
+  if any(row.above_adam for row in rows):
+    notes.append("! state above Adam's for this leaf: a small matrix under a rank clipped "
+                 "to its side, or a full-matrix preconditioner (SOAP, Shampoo, Eigen-Adam) "
+                 "by design; a lower rank, or mask= sending it to the fallback, saves memory")
+  return Description(tuple(rows), "; ".join(notes))
 
 
-def _add_stacked_state(counts: list, routed, params) -> None:
+def _add_stacked_state(counts: list, rec: routing.RoutedInit, paths: list) -> None:
   """Under ``stack_matrices=True``: each stack's state numbers go to its member leaves
   in proportion to their matrices (every matrix of a stack holds the same state)."""
-  plan, index = stacking.plan_routed(params, routed.labels(params), routed.dims)
+  plan, index = stacking.plan_routed(rec.params, rec.labels, rec.routed.dims)
+  inner_paths = [routing.path_to_str(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(rec.params)[0]]
+  outer = {p: i for i, p in enumerate(paths)}
   per_group = dict.fromkeys(plan.groups, 0)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(jax.eval_shape(routed.init, params))[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(rec.state)[0]:
     name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)
                  and k.key in per_group), None)
     if name is not None:
@@ -118,17 +162,17 @@ def _add_stacked_state(counts: list, routed, params) -> None:
   for name, members in plan.groups.items():
     total = sum(plan.views[j].num_matrices for j in members)
     for j in members:
-      counts[index[j]] += per_group[name] * plan.views[j].num_matrices // total
+      counts[outer[inner_paths[index[j]]]] += (per_group[name] * plan.views[j].num_matrices
+                                               // total)
 
 
-def _state_numbers_by_leaf(tx, params, param_paths) -> list[int]:
+def _state_numbers_by_leaf(state, param_paths) -> list[int]:
   """Optimizer-state numbers attributed to each parameter: a state leaf belongs to the
   parameter whose path ends its own path (counters and keys belong to none)."""
-  shapes = jax.eval_shape(tx.init, params)
   keys = {tuple(routing.path_to_str([k]) for k in p): i for i, p in enumerate(param_paths)}
   longest = max((len(k) for k in keys), default=0)
   counts = [0] * len(param_paths)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     names = tuple(routing.path_to_str([k]) for k in path)
     for n in range(min(longest, len(names)), 0, -1):
       i = keys.get(names[-n:])

@@ -1,8 +1,8 @@
 """Matrix views of a Flax NNX model's parameters, read from its modules.
 
-``fo.flax_dims(model)`` returns a tree shaped like ``nnx.state(model, nnx.Param)``
-whose leaves say how each parameter is a matrix (:class:`~fisher_optax.MatrixDims`) or
-that it is none (:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to
+``fo.flax_dims(model)`` returns a rule that maps a tree shaped like
+``nnx.state(model, nnx.Param)`` to how each parameter is a matrix
+(:class:`~fisher_optax.MatrixDims`) or that it is none (:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to
 their fallback). Pass it as ``dims=`` to any named optimizer::
 
     tx = fo.alice(1e-2, dims=fo.flax_dims(model))
@@ -33,7 +33,7 @@ a parameter of another module          the default rule (last two axes if it is 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
@@ -43,7 +43,7 @@ from fisher_optax import matrices, routing
 def _module_dims(module, name: str, ndim: int):
   """MatrixDims of parameter ``name`` (``ndim`` dims) of ``module``, or ``None`` if the
   module type is unknown."""
-  from flax import nnx
+  nnx = _import_nnx()
   if isinstance(module, nnx.Linear):
     if name != "kernel":
       return matrices.NOT_A_MATRIX
@@ -82,13 +82,54 @@ def _module_dims(module, name: str, ndim: int):
   return None
 
 
-def flax_dims(model: Any) -> Callable[[Any], Any]:
-  """The :class:`MatrixDims` (or :data:`NOT_A_MATRIX`) of every parameter of an NNX
-  ``model``, as a ``dims=`` callable: it maps any tree whose paths are the model's
-  parameter paths -- ``nnx.state(model, nnx.Param)``, its pure-dict form, or the masked
-  trees inside ``optax.partition`` -- to the dims of its leaves.
+class FlaxDims(matrices.DimsRule):
+  """The ``dims=`` rule of one NNX model (built by :func:`flax_dims`).
+
+  Attributes:
+    table: ``{"/"-joined parameter path: MatrixDims or NOT_A_MATRIX}``.
   """
-  from flax import nnx
+
+  def __init__(self, table: dict):
+    self.table = dict(table)
+
+  def resolve(self, tree: Any) -> Any:
+    """The dims of every leaf of ``tree``, a tree whose paths are the model's parameter
+    paths (``nnx.state(model, nnx.Param)``, its pure-dict form, or the masked trees
+    inside ``optax.partition``); raises a ``ValueError`` naming an unknown leaf."""
+    def one(path, _):
+      key = routing.path_to_str(path)
+      if key not in self.table:
+        raise ValueError(f"fo.flax_dims: leaf {key!r} is not a parameter of the model "
+                         f"(known: {sorted(self.table)[:5]}...)")
+      return self.table[key]
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+  def __repr__(self):
+    return f"FlaxDims({len(self.table)} parameters)"
+
+
+def _import_nnx():
+  try:
+    from flax import nnx
+  except ImportError as e:
+    raise ImportError("fo.flax_dims reads a Flax NNX model and needs flax: "
+                      "pip install 'fisher-optax[flax]'") from e
+  return nnx
+
+
+def flax_dims(model: Any) -> FlaxDims:
+  """The :class:`MatrixDims` (or :data:`NOT_A_MATRIX`) of every parameter of an NNX
+  ``model``, as a ``dims=`` rule (:class:`FlaxDims`) that maps any tree whose paths are
+  the model's parameter paths -- ``nnx.state(model, nnx.Param)``, its pure-dict form, or
+  the masked trees inside ``optax.partition`` -- to the dims of its leaves.
+
+  The rule is not a Python callable, so it passes through
+  ``optax.inject_hyperparams`` (which takes callables for schedules) unchanged.
+
+  Raises:
+    ImportError: flax is not installed (the ``flax`` extra installs it).
+  """
+  nnx = _import_nnx()
   owners = {}
   for path, module in nnx.iter_graph(model):
     if isinstance(module, nnx.Module):
@@ -105,15 +146,4 @@ def flax_dims(model: Any) -> Callable[[Any], Any]:
       d = (matrices.MatrixDims() if ndim == 2 and not routing.is_vector_name(path)
            else matrices.NOT_A_MATRIX)
     table[key] = d
-
-  def dims(tree):
-    def one(path, _):
-      key = routing.path_to_str(path)
-      if key not in table:
-        raise ValueError(f"fo.flax_dims: leaf {key!r} is not a parameter of the model "
-                         f"(known: {sorted(table)[:5]}...)")
-      return table[key]
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-  dims.table = table
-  return dims
+  return FlaxDims(table)

@@ -1,7 +1,7 @@
 """Float32 linear algebra shared by the blocks: eigh, QR, subspace iteration, complements.
 
 All functions act on one matrix (callers ``vmap`` over stacks) and compute in
-float32 whatever the input dtype (SPEC.md, "Numerics"). Eigen/singular vectors are
+float32 whatever the input dtype (docs: "Numerics policy"). Eigen/singular vectors are
 returned with a canonical sign -- the entry of largest magnitude in each column is
 positive -- so that results do not depend on the LAPACK/cuSOLVER sign convention,
 precision or device. That matters because the low-rank methods carry moments over

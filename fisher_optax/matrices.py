@@ -1,7 +1,7 @@
 """The per-matrix lifting layer: every matrix block's way from a parameter tree to one
 ``m x n`` matrix at a time and back.
 
-SPEC.md ("Notation"): a matrix parameter ``W`` and its gradient ``G`` are ``m x n``. A
+Notation: a matrix parameter ``W`` and its gradient ``G`` are ``m x n``. A
 leaf with more dimensions is a *stack* of independent matrices: by default every axis
 but the last two is a batch axis (scanned layers ``[layers, m, n]``), each slice with its
 own optimizer state; :class:`MatrixDims` chooses other axes (as ``optax.contrib.muon``'s
@@ -11,7 +11,7 @@ What a block gets from here, so that it holds only its per-matrix mathematics:
 
 - :class:`MatrixView` / :func:`views_like`: the static map of a leaf to its canonical
   ``batch + (m, n)`` form, optionally with the smaller side as rows (``side="smaller"``,
-  the paper's ``m <= n``; SPEC.md: "for m > n apply the same math to the transpose") or
+  the paper's ``m <= n``: for ``m > n`` the same math applies to the transpose) or
   the larger (``side="larger"``).
 - :class:`Lifted`: one tree of leaves lifted: canonical float32 matrices, per-leaf state
   arrays, a per-matrix function ``vmap``-ed over each leaf's batch axes
@@ -27,6 +27,7 @@ Which leaves reach a block is decided by :mod:`fisher_optax.routing` (masks).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import math
@@ -76,7 +77,21 @@ class NotAMatrix(MatrixDims):
 
 NOT_A_MATRIX = NotAMatrix()
 
-DimsSpec = Union[None, MatrixDims, Any, Callable[[Any], Any]]
+class DimsRule(abc.ABC):
+  """A ``dims=`` rule computed from the parameter tree, such as
+  :func:`fisher_optax.flax_dims`'s.
+
+  A rule is deliberately not a Python callable: ``optax.inject_hyperparams`` takes every
+  callable argument of the factory for a schedule and calls it with the step count, so
+  a rule passes through it untouched. Subclasses implement :meth:`~fisher_optax.DimsRule.resolve`.
+  """
+
+  @abc.abstractmethod
+  def resolve(self, tree: Any) -> Any:
+    """The tree of :class:`MatrixDims` (structure of ``tree``, or a prefix of it)."""
+
+
+DimsSpec = Union[None, MatrixDims, DimsRule, Any, Callable[[Any], Any]]
 
 def _as_axes(a: Axes) -> tuple[int, ...]:
   if isinstance(a, (int, np.integer)):
@@ -152,7 +167,7 @@ class MatrixView:
 
 
 def is_matrix_shape(shape: Sequence[int], dims: Optional[MatrixDims] = None) -> bool:
-  """True when ``shape`` has matrix axes ``dims`` with both sizes > 1 (SPEC default mask)."""
+  """True when ``shape`` has matrix axes ``dims`` with both sizes > 1 (the default mask's rule)."""
   dims = dims or MatrixDims()
   if isinstance(dims, NotAMatrix) or len(shape) < 2:
     return False
@@ -213,7 +228,9 @@ def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
   if dims is None or isinstance(dims, MatrixDims):
     d = dims or MatrixDims()
     return jax.tree.map(lambda _: d, tree)
-  if callable(dims):
+  if isinstance(dims, DimsRule):
+    dims = dims.resolve(tree)
+  elif callable(dims):
     dims = dims(tree)
   # ``dims`` is a prefix of ``tree``: inside ``optax.partition`` the leaves routed elsewhere
   # are ``MaskedNode``s (no leaves), while ``dims`` may hold ``None`` for them.
@@ -294,7 +311,7 @@ def shared(fn: Callable[..., Any], static_argnums=()) -> Callable[..., Any]:
   call on every leaf of a tree: JAX traces and lowers it once per distinct argument
   shape (the 130M LLaMA's 84 matrices have 4 shapes) and emits a call per leaf, where
   calling ``fn`` itself traced it again for every leaf, so tracing, lowering and XLA's
-  passes grew with depth (issue 15). XLA inlines the calls: the computation is the same.
+  passes grew with depth. XLA inlines the calls: the computation is the same.
   Closures over traced values (``optax.inject_hyperparams``) are allowed;
   ``static_argnums`` as for ``jax.jit`` (e.g. a :class:`MatrixView`)."""
   return jax.jit(fn, static_argnums=static_argnums)

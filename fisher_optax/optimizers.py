@@ -2,7 +2,7 @@
 
 Each returns an ``optax.GradientTransformationExtraArgs`` that applies the
 structured rule to the leaves selected by ``mask`` (default: matrices, see
-:func:`fisher_optax.routing.default_mask`) and ``fallback`` (default
+:func:`~fisher_optax.default_mask`) and ``fallback`` (default
 ``optax.adam(learning_rate)`` run in float32, :func:`fisher_optax.routing.in_float32`)
 to the others. Defaults are the paper's 130M
 settings (App. "Experiment details").
@@ -10,9 +10,9 @@ settings (App. "Experiment details").
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
+import inspect
 import math
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import optax
@@ -26,10 +26,26 @@ from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, wh
 from fisher_optax.blocks.whiten import MUON_COEFFS
 
 
+# Arguments that are never schedules: optax.inject_hyperparams takes any callable for one,
+# so a callable mask or dims of the user's (or a dtype class) must stay static.
+_NEVER_SCHEDULES = ("mask", "dims", "fallback", "state_dtype")
+
+
 def inject_hyperparams(factory, *, static_args=(), hyperparam_dtype=None):
   """``optax.inject_hyperparams`` for a named optimizer, with its shape-fixing
-  arguments (``factory.static_args``: rank, leading, iters) marked static."""
-  static = tuple(set(static_args) | set(getattr(factory, "static_args", ())))
+  arguments (``factory.static_args``: rank, leading, iters) and its routing arguments
+  (``mask``, ``dims``, ``fallback``, ``state_dtype``: callables there are rules, not
+  schedules) marked static.
+
+  Plain ``optax.inject_hyperparams(fo.X, static_args=...)`` works too, with the
+  arguments each optimizer's docstring marks *static*; :func:`~fisher_optax.path_mask`
+  and :func:`~fisher_optax.flax_dims` are not Python callables and pass through it, but
+  a ``mask``/``dims`` function of your own (or a dtype class as ``state_dtype``) must be
+  listed in ``static_args`` there, since optax calls every callable argument as a
+  schedule."""
+  names = set(inspect.signature(factory).parameters)
+  static = tuple(set(static_args) | set(getattr(factory, "static_args", ()))
+                 | (names & set(_NEVER_SCHEDULES)))
   return optax.inject_hyperparams(factory, static_args=static,
                                   hyperparam_dtype=hyperparam_dtype)
 
@@ -43,14 +59,20 @@ _COMMON_ARGS = """\
     mask: which leaves get the structured rule: a tree of bools, a callable on the
       params (e.g. :func:`~fisher_optax.path_mask`), or ``None`` (default: every
       2-D leaf whose sides are both > 1 and whose name is not a bias or norm scale;
-      :func:`~fisher_optax.routing.default_mask`). The others get ``fallback``.
+      :func:`~fisher_optax.default_mask`). The others get ``fallback``.
+      With ``optax.inject_hyperparams``, a function of your own here must be in its
+      ``static_args`` (optax calls callables as schedules); a ``fo.path_mask`` is no
+      callable and needs nothing.
     dims: which axes of each leaf are the matrix rows and columns
       (:class:`~fisher_optax.MatrixDims`, a tree or callable of them, or
       :func:`~fisher_optax.flax_dims` for a Flax NNX model); other axes are stacks of
       independent matrices. Default ``None``: 2-D leaves as ``(m, n)``, leaves with more
-      dims to the fallback.
+      dims to the fallback. A ``dims`` that does not fit its leaf (axes out of range, a
+      ``MatrixDims`` given for a vector) raises a ``ValueError`` naming the leaf at
+      ``init``. ``fo.flax_dims`` rules pass through ``optax.inject_hyperparams``; a
+      function of your own must be in its ``static_args``.
     stack_matrices: run the structured rule on same-shape matrices stacked into one
-      ``(k, m, n)`` array per shape (:func:`~fisher_optax.stacking.stack_matrices`):
+      ``(k, m, n)`` array per shape (``fisher_optax.stacking``):
       the same per-matrix update, state stored per shape instead of per leaf, compile
       time flat in depth for models with one leaf per layer (default ``False``). The
       price: the update holds a transient copy of the routed matrix gradients (XLA
@@ -171,6 +193,18 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
                  stack=stack_matrices, name="racs")
 
 
+PAPER_RANK, PAPER_LEADING = 256, 40
+
+
+def default_leading(rank: int) -> int:
+  """Alice's ``leading`` when not given: the paper's 40 leading eigenvectors at rank 256
+  (App. "Experiment details"), scaled with the rank and kept in ``[1, rank]``:
+  ``min(rank, max(1, round(40 * rank / 256)))`` -- 40 at 256, 20 at 128, 1 at 8 or less.
+  A switch then keeps about 16% of the basis and explores the rest, as in the paper."""
+  validation.check_int("rank", rank, low=1)
+  return min(int(rank), max(1, round(PAPER_LEADING * int(rank) / PAPER_RANK)))
+
+
 def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, seed,
                  dims, state_dtype, side="smaller", core=None):
   """Tracking (+ switching) -> ``core`` on the coefficients (default Adam's moments) ->
@@ -189,7 +223,8 @@ def _alice_chain(*, rank, leading, interval, alpha_c, b1, b2, b3, limiter, eps, 
 
 
 @_documented(_ex('alice(1e-2, rank=4, leading=1)'))
-def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
+def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
+          leading: Optional[int] = None,
           interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
           b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
           eps: float = 1e-8, seed: int = 0,
@@ -219,8 +254,10 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
   Args:
     learning_rate: ``eta_t``, a float or an optax schedule (paper 130M: 0.02).
     rank: ``r``, clipped per matrix to ``min(m, n)`` (paper: 256); static.
-    leading: eigenvectors kept at a switch, ``0 <= leading <= rank`` (paper: 40); the
-      other ``rank - leading`` columns come from the complement.
+    leading: eigenvectors kept at a switch, ``0 <= leading <= rank``; the other
+      ``rank - leading`` columns come from the complement. Default ``None``: the
+      paper's 40 at rank 256 scaled with the rank (:func:`default_leading`:
+      ``max(1, round(40 * rank / 256))``, at most ``rank``); may be traced.
     interval: refresh period ``K`` of the basis (paper: 200).
     alpha: update scale (paper: 0.3).
     alpha_c: compensation weight (paper: 0.4).
@@ -236,6 +273,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
       decompositions always run in float32).
   """
   bd = _block_dims(dims, stack_matrices)
+  leading = default_leading(rank) if leading is None else leading
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
                               seed=seed, dims=bd, state_dtype=state_dtype)
@@ -246,7 +284,8 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: in
 
 
 @_documented(_ex('alice0(1e-2, rank=4, leading=1)'))
-def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: int = 40,
+def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
+           leading: Optional[int] = None,
            interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
@@ -267,7 +306,9 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
   Args:
     learning_rate: ``eta_t``, a float or an optax schedule (paper 130M: 0.02).
     rank: ``r``, clipped per matrix to ``min(m, n)`` (paper: 256); static.
-    leading: eigenvectors kept at a switch (paper: 40).
+    leading: eigenvectors kept at a switch, at most ``rank``; default ``None``: the
+      paper's 40 at rank 256 scaled with the rank (:func:`default_leading`); may be
+      traced.
     interval: refresh period ``K`` (paper: 200).
     alpha: update scale (paper: 0.3).
     alpha_c: compensation weight (paper: 0.4).
@@ -280,6 +321,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
     state_dtype: dtype of the state arrays (default float32).
   """
   bd = _block_dims(dims, stack_matrices)
+  leading = default_leading(rank) if leading is None else leading
   return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
                               alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
                               seed=seed, dims=bd, state_dtype=state_dtype)
@@ -291,7 +333,8 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, leading: i
 
 @_documented(_ex('alice_soap(1e-2, rank=4, leading=1)'))
 def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
-               right_rank: Optional[int] = None, leading: int = 40, interval: int = 200,
+               right_rank: Optional[int] = None, leading: Optional[int] = None,
+               interval: int = 200,
                alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9, b2: float = 0.9,
                b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
                seed: int = 0, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
@@ -334,8 +377,9 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
       ``min(m, n)`` (default: Alice's 256); static.
     right_rank: ``k``, rank of the right basis ``V`` (larger side), clipped to ``n``;
       default ``rank``; static.
-    leading: eigenvectors kept at a switch on each side (Alice's 40), at most
-      ``min(rank, right_rank)``.
+    leading: eigenvectors kept at a switch on each side, at most
+      ``min(rank, right_rank)``; default ``None``: :func:`default_leading` of
+      ``min(rank, right_rank)`` (Alice's 40 at rank 256); may be traced.
     interval: refresh period ``K`` of both bases (Alice's 200).
     alpha: update scale (Alice's 0.3).
     alpha_c: weight of both compensations (Alice's 0.4).
@@ -353,6 +397,8 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
   bd = _block_dims(dims, stack_matrices)
   right_rank = rank if right_rank is None else right_rank
   validation.check_int("right_rank", right_rank, low=1)  # the right chain calls it `rank`
+  if leading is None:
+    leading = default_leading(min(rank, right_rank))
   common = dict(leading=leading, interval=interval, alpha_c=alpha_c, b1=b1, b2=b2, b3=b3,
                 limiter=limiter, eps=eps, state_dtype=state_dtype)
   # step 1: both bases come from G_1, so the core U^T G_1 V is diagonal up to float32

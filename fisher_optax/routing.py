@@ -10,6 +10,8 @@ fallback (``optax.partition``). How a routed leaf becomes ``m x n`` matrices is
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import warnings
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import explicit_axes
-from fisher_optax.matrices import (NOT_A_MATRIX, DimsSpec, MatrixDims,  # noqa: F401
+from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims,  # noqa: F401
                                    MatrixView, NotAMatrix, cast_like, is_matrix_shape,
                                    matrix_view, resolve_dims, views_like, vmap_batch)
 from fisher_optax.matrices import _normalize_axes
@@ -52,7 +54,7 @@ _VECTOR_RE = re.compile(r"(^|[^a-z0-9])(" + "|".join(VECTOR_NAMES) + r")$")
 
 def is_vector_name(path: Sequence[Any]) -> bool:
   """True when the leaf's last path key names a vector parameter: it is, or ends in
-  ``_``/``.``/``-`` and, one of :data:`VECTOR_NAMES` (``bias``, ``ln_scale``, ...)."""
+  ``_``/``.``/``-`` and, one of ``VECTOR_NAMES`` (``bias``, ``ln_scale``, ...)."""
   s = path_to_str(path)
   return bool(s) and bool(_VECTOR_RE.search(s.rsplit("/", 1)[-1].lower()))
 
@@ -60,7 +62,7 @@ def is_vector_name(path: Sequence[Any]) -> bool:
 def default_mask(params: Any, dims: DimsSpec = None) -> Any:
   """Default routing: a leaf gets the structured rule when its matrix axes both have size
   > 1, its dims entry is not :data:`NOT_A_MATRIX`, and its name is not a vector's
-  (``bias``, ``scale``, ``ln_scale``, ...: :data:`VECTOR_NAMES`), so layer-stacked norm
+  (``bias``, ``scale``, ``ln_scale``, ...: ``VECTOR_NAMES``), so layer-stacked norm
   scales ``[L, n]`` and attention biases ``(heads, head_dim)`` go to the fallback.
 
   Without ``dims`` only 2-D leaves are matrices, as ``optax.contrib.muon``'s default: a
@@ -69,8 +71,8 @@ def default_mask(params: Any, dims: DimsSpec = None) -> Any:
   which, so it goes to the fallback (``fo.describe`` says so); ``dims`` (e.g.
   ``fo.flax_dims(model)`` or ``fo.MatrixDims()`` for stacks) routes it. Python scalars
   are never matrices. Pass an explicit ``mask`` to override."""
+  check_dims(params, dims)
   dims_tree = resolve_dims(dims, params)
-  check_dims(params, dims_tree, explicit=dims is not None)
 
   def one(path, p, d):
     shape = jnp.shape(p)
@@ -81,15 +83,36 @@ def default_mask(params: Any, dims: DimsSpec = None) -> Any:
   return jax.tree_util.tree_map_with_path(one, params, dims_tree)
 
 
-def check_dims(params: Any, dims_tree: Any, *, explicit: bool = True) -> None:
-  """Raises a ``ValueError`` naming the leaf when ``dims`` do not fit a leaf of ndim >= 2
-  (a single ``MatrixDims`` is checked on every such leaf, a tree or callable per leaf)."""
-  if not explicit:
+def _given_dims(dims: DimsSpec, params: Any) -> Any:
+  """``dims`` as given per leaf of ``params`` (``None`` where a tree holds ``None``),
+  without the default that :func:`resolve_dims` fills in."""
+  if isinstance(dims, DimsRule):
+    dims = dims.resolve(params)
+  elif callable(dims):
+    dims = dims(params)
+  return jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d, sub), dims, params,
+                      is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
+
+
+def check_dims(params: Any, dims: DimsSpec) -> None:
+  """Raises a ``ValueError`` naming the leaf when ``dims`` do not fit it: axes out of
+  range on a leaf of ndim >= 2, or a :class:`MatrixDims` given for that very leaf (a
+  tree or rule entry, not one ``MatrixDims`` for all) of ndim < 2. ``None`` and
+  :data:`NOT_A_MATRIX` entries fit every leaf."""
+  if dims is None:
     return
+  per_leaf = not isinstance(dims, MatrixDims)
+  given = _given_dims(dims, params) if per_leaf else jax.tree.map(lambda _: dims, params)
 
   def one(path, p, d):
     shape = jnp.shape(p)
-    if len(shape) < 2 or isinstance(d, NotAMatrix):
+    if d is None or isinstance(d, NotAMatrix):
+      return
+    if len(shape) < 2:
+      if per_leaf:
+        raise ValueError(f"`dims` for leaf {path_to_str(path)!r} of shape {tuple(shape)}: "
+                         f"{d} needs a leaf with two or more axes; give it None or "
+                         "fo.NOT_A_MATRIX to send it to the fallback")
       return
     try:
       _normalize_axes(len(shape), d)
@@ -97,38 +120,37 @@ def check_dims(params: Any, dims_tree: Any, *, explicit: bool = True) -> None:
       raise ValueError(f"`dims` for leaf {path_to_str(path)!r} of shape {tuple(shape)}: "
                        f"{e}") from None
 
-  jax.tree_util.tree_map_with_path(one, params, dims_tree)
+  jax.tree_util.tree_map_with_path(one, params, given)
 
 
-def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] = None,
-              dims: DimsSpec = None, on_unmatched: str = "raise") -> Callable[[Any], Any]:
-  """Mask from parameter-path regular expressions, for the named optimizers' ``mask=``.
+@dataclasses.dataclass(frozen=True)
+class PathMask:
+  """A ``mask=`` rule from parameter-path regular expressions (built by
+  :func:`path_mask`).
 
-  A leaf is selected (gets the structured rule) when it is a matrix (see
-  :func:`default_mask`), its ``/``-joined path matches one of ``include`` (if
-  given), and it matches none of ``exclude``. Example: send embeddings and the
-  output layer to Adam in one line::
-
-    fo.alice(1e-2, mask=fo.path_mask(exclude=["embed", "lm_head"]))
-
-  A pattern that matches no parameter path raises a ``ValueError`` when the mask is
-  evaluated (at ``init``), or warns / passes with ``on_unmatched="warn"`` / ``"ignore"``.
-  Without ``dims`` here, the optimizer's ``dims`` decide what is a matrix.
+  Not a Python callable, so it passes through ``optax.inject_hyperparams`` (which takes
+  callables for schedules) unchanged; :meth:`~fisher_optax.PathMask.resolve` evaluates it.
   """
-  if on_unmatched not in ("raise", "warn", "ignore"):
-    raise ValueError(f"`on_unmatched` must be 'raise', 'warn' or 'ignore', got {on_unmatched!r}")
-  inc = [re.compile(p) for p in include] if include is not None else None
-  exc = [re.compile(p) for p in exclude]
 
-  def mask_fn(params, optimizer_dims: DimsSpec = None):
-    base = default_mask(params, dims if dims is not None else optimizer_dims)
+  include: Optional[tuple] = None
+  exclude: tuple = ()
+  dims: DimsSpec = None
+  on_unmatched: str = "raise"
+
+  def resolve(self, params: Any, optimizer_dims: DimsSpec = None) -> Any:
+    """A tree of bools over ``params``: the leaves that get the structured rule.
+    Without its own ``dims``, ``optimizer_dims`` (the optimizer's) decide what is a
+    matrix."""
+    base = default_mask(params, self.dims if self.dims is not None else optimizer_dims)
+    inc = [re.compile(p) for p in self.include] if self.include is not None else None
+    exc = [re.compile(p) for p in self.exclude]
     paths = [path_to_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     unmatched = [p.pattern for p in (inc or []) + exc if not any(p.search(s) for s in paths)]
-    if unmatched and paths and on_unmatched != "ignore":
+    if unmatched and paths and self.on_unmatched != "ignore":
       msg = (f"fo.path_mask: pattern(s) {unmatched} match no parameter path (paths look like "
              f"{paths[:3]}); a typo would silently route the whole model elsewhere. Pass "
              "on_unmatched='warn' or 'ignore' if this is intended.")
-      if on_unmatched == "raise":
+      if self.on_unmatched == "raise":
         raise ValueError(msg)
       warnings.warn(msg, stacklevel=2)
 
@@ -140,15 +162,37 @@ def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] =
 
     return jax.tree_util.tree_map_with_path(pick, base)
 
-  mask_fn.takes_optimizer_dims = True
-  return mask_fn
+
+def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] = None,
+              dims: DimsSpec = None, on_unmatched: str = "raise") -> PathMask:
+  """Mask from parameter-path regular expressions, for the named optimizers' ``mask=``.
+
+  A leaf is selected (gets the structured rule) when it is a matrix (see
+  :func:`default_mask`), its ``/``-joined path matches one of ``include`` (if
+  given), and it matches none of ``exclude``. Example: send embeddings and the
+  output layer to Adam in one line::
+
+    fo.alice(1e-2, mask=fo.path_mask(exclude=["embed", "lm_head"]))
+
+  A pattern that matches no parameter path raises a ``ValueError`` when the mask is
+  evaluated (at ``init``), or warns / passes with ``on_unmatched="warn"`` / ``"ignore"``
+  (``"ignore"`` for code meant for models that may lack those parameters).
+  Without ``dims`` here, the optimizer's ``dims`` decide what is a matrix.
+  ``PathMask.resolve(params)`` evaluates the mask.
+  """
+  if on_unmatched not in ("raise", "warn", "ignore"):
+    raise ValueError(f"`on_unmatched` must be 'raise', 'warn' or 'ignore', got {on_unmatched!r}")
+  for p in list(exclude) + list(include or ()):
+    re.compile(p)  # a malformed pattern fails here, not at init
+  return PathMask(include=None if include is None else tuple(include), exclude=tuple(exclude),
+                  dims=dims, on_unmatched=on_unmatched)
 
 
 def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
   if mask is None:
     return default_mask(params, dims)
-  if getattr(mask, "takes_optimizer_dims", False):
-    return mask(params, dims)  # a path_mask without dims= uses the optimizer's
+  if isinstance(mask, PathMask):
+    return mask.resolve(params, dims)  # a path_mask without dims= uses the optimizer's
   if callable(mask):
     return mask(params)
   return mask
@@ -187,6 +231,47 @@ class RoutedTransformation(optax.GradientTransformationExtraArgs):
   """
 
 
+@dataclasses.dataclass(frozen=True)
+class RoutedInit:
+  """What one routed transformation's ``init`` saw, for :func:`fisher_optax.describe`.
+
+  Attributes:
+    routed: the transformation.
+    params: the params tree it was given, as ``jax.ShapeDtypeStruct`` leaves (inside an
+      ``optax.partition`` or ``optax.masked``, leaves routed elsewhere are
+      ``optax.MaskedNode``).
+    labels: ``"structured"``/``"fallback"`` per leaf of ``params``.
+    state: its state, as ``jax.ShapeDtypeStruct`` leaves.
+  """
+
+  routed: RoutedTransformation
+  params: Any
+  labels: Any
+  state: Any
+
+
+_RECORDERS: list = []
+
+
+@contextlib.contextmanager
+def record_routed_inits():
+  """Within the block, every routed transformation's ``init`` -- however deeply it sits
+  in ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
+  ``optax.partition``... -- appends a :class:`RoutedInit` to the yielded list. This is
+  how :func:`fisher_optax.describe` sees through wrappers whose closures hide their
+  inner transformations: it traces ``tx.init`` with ``jax.eval_shape`` in this block."""
+  found: list = []
+  _RECORDERS.append(found)
+  try:
+    yield found
+  finally:
+    _RECORDERS.remove(found)
+
+
+def _shape_struct(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
 def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec,
           fallback: optax.GradientTransformation, info: Optional[dict] = None
           ) -> optax.GradientTransformationExtraArgs:
@@ -203,6 +288,13 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
 
   tx = optax.partition({"structured": explicit_axes.with_auto_axes(structured),
                         "fallback": fallback}, labels)
-  out = RoutedTransformation(tx.init, tx.update)
+
+  def init(params):
+    state = tx.init(params)
+    for found in _RECORDERS:
+      found.append(RoutedInit(out, _shape_struct(params), labels(params), _shape_struct(state)))
+    return state
+
+  out = RoutedTransformation(init, tx.update)
   out.labels, out.dims, out.info = labels, dims, dict(info or {})
   return out

@@ -1,4 +1,4 @@
-"""Optimizer-state ``PartitionSpec``s from the parameters' specs (SPEC.md "sharding").
+"""Optimizer-state ``PartitionSpec``s from the parameters' specs (docs: "Sharding and multi-host training").
 
 :func:`state_partition_specs` returns, for any optax transformation built from
 fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
@@ -140,7 +140,7 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
 
   Args:
     tx: the (fisher_optax or optax) transformation.
-    params: parameters, or their ``jax.ShapeDtypeStruct``s.
+    params: parameters, or their shapes (``jax.ShapeDtypeStruct`` leaves).
     param_specs: a tree of ``PartitionSpec`` (or ``None``) matching ``params``.
     dims: the optimizer's matrix axes; default: those the named optimizer ``tx`` was
       built with (its ``dims=``), else the last two axes.
@@ -193,7 +193,7 @@ def _stacked_params(tx, params, spec_leaves, dims) -> dict:
 
 
 def state_shardings(tx, params: Any, param_specs: Any, mesh: Mesh, **kw) -> Any:
-  """:func:`state_partition_specs` as ``NamedSharding``s on ``mesh``."""
+  """:func:`state_partition_specs` as a tree of ``NamedSharding`` on ``mesh``."""
   specs = state_partition_specs(tx, params, param_specs, mesh=mesh, **kw)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, P))

@@ -1,11 +1,11 @@
 """Dense float64 numpy re-derivations of the paper's algorithms, one matrix at a time.
 
-Written from the paper's listings (and SPEC.md's decisions), not from the library:
+Written from the paper's listings (and the design decisions of docs/numerics.md), not from the library:
 reconstructed states are built explicitly (``Q`` as an m x m matrix, the
 compensation statistic as ``colsum(G^2) - colsum(sigma^2)``), so agreement with
 the jitted float32 library checks the library's algebraic shortcuts too.
 
-Conventions shared with the library by SPEC.md decision (not shortcuts): steps
+Conventions shared with the library by design decision (not shortcuts): steps
 count from 1, refresh when (t - 1) % K == 0; eigen/singular vectors have their
 largest-magnitude entry positive; tall matrices use the transpose.
 """

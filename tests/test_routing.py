@@ -18,7 +18,7 @@ def test_default_mask_selects_matrices_with_both_dims_above_one():
   mask = fo.default_mask(params, fo.MatrixDims())
   assert mask == {"w": True, "col": False, "b": False, "s": False, "stack": True}
   # a path_mask without dims uses the optimizer's
-  assert fo.path_mask(exclude=["w"])(params)["stack"] is False
+  assert fo.path_mask(exclude=["w"]).resolve(params)["stack"] is False
   assert routing.resolve_mask(fo.path_mask(exclude=["w"]), params, fo.MatrixDims())["stack"]
 
 
@@ -26,10 +26,10 @@ def test_path_mask_include_exclude():
   params = {"embed": {"embedding": jnp.zeros((9, 4))},
             "layers": {"attn": {"kernel": jnp.zeros((4, 4))}, "mlp": {"kernel": jnp.zeros((4, 8))}},
             "lm_head": {"kernel": jnp.zeros((4, 9))}, "norm": jnp.zeros(4)}
-  m = fo.path_mask(exclude=["embed", "lm_head"])(params)
+  m = fo.path_mask(exclude=["embed", "lm_head"]).resolve(params)
   assert m["embed"]["embedding"] is False and m["lm_head"]["kernel"] is False
   assert m["layers"]["attn"]["kernel"] is True and m["norm"] is False
-  m = fo.path_mask(include=[r"layers/mlp"])(params)
+  m = fo.path_mask(include=[r"layers/mlp"]).resolve(params)
   assert m["layers"]["mlp"]["kernel"] and not m["layers"]["attn"]["kernel"]
 
 

@@ -26,6 +26,8 @@ def _params():
 
 def _dims(params):
   def one(path, x):
+    if x.ndim < 2:
+      return None  # a vector: a MatrixDims here would raise
     if jax.tree_util.keystr(path).endswith("['o']"):
       return fo.MatrixDims(rows=(0, 1), cols=2)
     return fo.MatrixDims()

@@ -101,7 +101,7 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
     sub_mask = fo.path_mask(exclude=exclude, on_unmatched="ignore")
 
     def dim_numbers(params):
-      sel = sub_mask(params)
+      sel = sub_mask.resolve(params)
       return jax.tree.map(lambda s: optax.contrib.MuonDimensionNumbers() if s else None, sel)
     kw = dict(consistent_rms=0.2, muon_weight_dimension_numbers=dim_numbers)
     kw.update(hparams)

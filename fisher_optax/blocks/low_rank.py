@@ -1,6 +1,6 @@
 """Low-rank tracking (paper Sec. 5.1, Eq. "tracking step") and the subspace glue.
 
-Data flow of a low-rank chain (SPEC.md design)::
+Data flow of a low-rank chain::
 
     low_rank_track  ->  on_coefficients(any optax tx)  ->  project_back | compensate
 
@@ -16,7 +16,7 @@ Tracking (Alice): ``Q~_t = b3 Q~_{t-1} + (1 - b3) sigma_t sigma_t^T`` (``r x r``
 re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``b3=0``
 (Alice-0, GaLore) stores no ``r x r`` state.
 
-Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...; SPEC.md),
+Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...),
 inside the compiled step, with the policy given as ``refresh=``
 (:mod:`fisher_optax.blocks.switching`). A refresh that produces a non-finite basis
 keeps the previous one.
@@ -133,7 +133,7 @@ def is_subspace(x: Any) -> bool:
 
 
 def clipped_rank(rank: int, view: matrices.MatrixView) -> int:
-  """``rank`` clipped to ``min(m, n)`` of one matrix (SPEC.md)."""
+  """``rank`` clipped to ``min(m, n)`` of one matrix."""
   return min(int(rank), view.m)
 
 
@@ -156,7 +156,7 @@ class LowRankTrackState(NamedTuple):
   """``basis``: ``batch + (m, r)``; ``tracked``: ``batch + (r, r)`` or ``None``
   (no tracking); ``key``: PRNG key (``None`` for deterministic policies); ``starts``:
   per leaf, its offset in the refresh's concatenation of same-shape matrices
-  (:func:`fisher_optax.matrices.group_starts`) as an int32 scalar, read at run time to
+  (``matrices.group_starts``) as an int32 scalar, read at run time to
   split the refresh results (the refresh's layout, fixed by the tree; a state with other
   values gives NaN bases at the next refresh)."""
   count: jax.Array
@@ -181,7 +181,7 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
     rank: ``r >= 1``; clipped per matrix to ``min(m, n)``.
     interval: refresh period ``K >= 1``.
     b3: tracking decay in [0, 1); 0 disables the ``r x r`` state (Alice-0, GaLore).
-    refresh: a policy from :mod:`~fisher_optax.blocks.switching`
+    refresh: a policy, :func:`~fisher_optax.switch` or :func:`~fisher_optax.svd_refresh`
       (default ``switch(leading=None)``: subspace iteration, no switching).
     dims: matrix axes per leaf (default: the last two).
     state_dtype: dtype of ``U`` and ``Q~`` in the state (default float32; all
@@ -357,6 +357,9 @@ def _keep_finite(u_new, u1, q1):
 
 
 class OnCoefficientsState(NamedTuple):
+  """State of :func:`on_coefficients`: the inner transformation's state, shaped like the
+  ``r x n`` subspace coefficients."""
+
   inner_state: optax.OptState
 
 
@@ -368,7 +371,7 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
   ``inner`` sees a tree of ``batch + (r, n)`` arrays (``r`` clipped per matrix)
   and must not need ``params``. ``rank`` and ``dims`` must equal those given to
   :func:`low_rank_track` (they define the coefficient shapes at ``init``), and so must
-  ``side``; ``track.on_coefficients(inner)`` (:class:`SubspaceSource`) takes them from
+  ``side``; ``track.on_coefficients(inner)`` (``SubspaceSource``) takes them from
   the tracking block itself.
   """
   check_side(side)

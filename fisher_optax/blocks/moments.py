@@ -25,6 +25,8 @@ from fisher_optax import matrices, validation
 
 
 class ScaleByMomentsState(NamedTuple):
+  """State of :func:`scale_by_moments`: the EMAs ``M`` of ``X`` and ``V`` of ``X^2``."""
+
   mu: optax.Updates
   nu: optax.Updates
 
@@ -66,6 +68,8 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
 
 class ScaleByBiasCorrectionState(NamedTuple):
+  """State of :func:`scale_by_bias_correction`: the step count ``t``."""
+
   count: jax.Array
 
 

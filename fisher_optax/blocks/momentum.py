@@ -28,6 +28,9 @@ from fisher_optax import matrices, validation
 
 
 class ScaleByMomentumState(NamedTuple):
+  """State of :func:`scale_by_momentum`: the step count (for the bias correction) and
+  the momentum ``M`` (float32, shaped like the updates)."""
+
   count: jax.Array  # int32 step counter
   mu: optax.Updates
 

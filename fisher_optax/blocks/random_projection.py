@@ -54,7 +54,7 @@ def next_seed(seed: jax.Array) -> jax.Array:
 class RandomProjectState(NamedTuple):
   """``seed``: per matrix, uint32, shape = the leaf's batch shape; ``starts``: per leaf,
   the offset of its draws in the grouped draw of its shape
-  (:func:`fisher_optax.matrices.vmap_grouped_starts`) as an int32 scalar, read at run
+  (``matrices.vmap_grouped_starts``) as an int32 scalar, read at run
   time to split the draws (fixed by the tree; a state with other values gives NaN
   projections)."""
   count: jax.Array

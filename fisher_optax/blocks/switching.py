@@ -27,7 +27,7 @@ They are plain frozen dataclasses (static configuration), not transformations:
 Randomness: the PRNG key lives in the optimizer state (replicated); the refresh at
 step count ``c`` draws one ``(matrices, max m - r)`` array of 32-bit words, a
 counter-based hash of ``(key, c)``, and matrix ``j`` of the tree takes row ``j``
-(:func:`refresh_noise`);
+(``refresh_noise``);
 its complement columns are the first ``k`` of the argsort of its ``m - r`` words
 (:func:`complement_indices`). Every device draws the same columns.
 """
@@ -46,7 +46,7 @@ from fisher_optax import hashing, linalg, matrices, validation
 def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,
                   width: int) -> jax.Array:
   """The random words of one refresh: ``(num_matrices, max(width, 1))`` uint32,
-  :func:`fisher_optax.hashing.words` of ``(key, count)``; matrix ``j`` of the tracked tree
+  ``hashing.words`` of ``(key, count)``; matrix ``j`` of the tracked tree
   (leaves in flatten order, the matrices of a stack in order) reads row ``j``, its first
   ``m - r`` words.
 
@@ -81,7 +81,7 @@ class Switch:
 
     Reading ``C`` rather than ``G`` makes the refresh a function of ``(m, r)`` only, so
     matrices of one ``m`` and different ``n`` (a LLaMA's attention, MLP and output
-    kernels) share one compiled refresh (:func:`fisher_optax.matrices.map_grouped`);
+    kernels) share one compiled refresh (``matrices.map_grouped``);
     forming ``C`` costs ``m^2 n`` against the ``4 m n r`` of applying ``G G^T`` twice.
     A tall ``G`` (``m > n``: :func:`fisher_optax.alice_soap`'s right basis, whose ``m`` is
     the parameter's larger side, e.g. a 32000-token vocabulary) keeps ``G``: its Gram
@@ -97,7 +97,7 @@ class Switch:
     return self.first_from(self.operand(g), r)
 
   def first_from(self, c: jax.Array, r: int, *, signs: bool = True) -> jax.Array:
-    """:meth:`first` from :meth:`operand`: eigh of ``C``; for a tall ``G`` the same
+    """``first`` from ``operand``: eigh of ``C``; for a tall ``G`` the same
     vectors from its thin SVD (``O(m n^2)``), completed by the complement of its left
     singular vectors (eigenvalue 0 of ``G G^T``) when ``r > n``. ``signs=False`` leaves
     the final canonical sign fix to the caller (not possible when ``r > n``: the
@@ -112,7 +112,7 @@ class Switch:
 
   def basis_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array], b3,
                  noise: Optional[jax.Array], first: jax.Array) -> jax.Array:
-    """The basis of a refresh step from :meth:`operand`: :meth:`first_from` where the
+    """The basis of a refresh step from ``operand``: ``first_from`` where the
     scalar ``first`` is true (step 1), else :meth:`refresh_from`. One ``lax.cond`` per
     matrix, so the two refreshes share everything around them in one compiled branch
     (operands, grouping, the non-finite guard, the re-expression of ``Q~``), and the
@@ -133,7 +133,7 @@ class Switch:
               b3, key: Optional[jax.Array]) -> jax.Array:
     """New basis from ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T`` (one matrix); the
     complement draw reads ``m - r`` words hashed from ``key``
-    (:func:`fisher_optax.hashing.words`)."""
+    (``hashing.words``)."""
     m, r = u_old.shape
     noise = (None if key is None or not self.noise_size(m, r)
              else hashing.words(key, 0, (m - r,)))
@@ -141,8 +141,8 @@ class Switch:
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
                    b3, noise: Optional[jax.Array], *, signs: bool = True) -> jax.Array:
-    """:meth:`refresh` from :meth:`operand` (``C = G G^T``, or a tall ``G``) and the random
-    words ``noise`` (at least ``m - r`` uint32, :func:`refresh_noise`). ``signs=False``
+    """``refresh`` from ``operand`` (``C = G G^T``, or a tall ``G``) and the random
+    words ``noise`` (at least ``m - r`` uint32, ``refresh_noise``). ``signs=False``
     leaves the final canonical sign fix to the caller."""
     m, r = u_old.shape
     gram = c.shape[-1] == m  # else c is a tall G: C u = G (G^T u)

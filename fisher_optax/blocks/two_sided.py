@@ -14,7 +14,7 @@ EMAs without bias correction, started at 0::
     s_t = beta s_{t-1} + (1 - beta) s,    q_t = beta q_{t-1} + (1 - beta) q
     G~  = diag(q_t)^-1/2  G  diag(s_t)^-1/2        (square-root NGD, Sec. 4)
 
-Numerics (SPEC.md decisions):
+Numerics (design decisions; docs: "Numerics policy"):
   * ``P`` is formed from ``G / max|G|``; the iteration gives ``q`` exactly as for
     ``P`` (q is invariant to scaling ``P``) and ``s`` is rescaled by ``max|G|^2``,
     so the update is invariant to scaling ``G`` over 1e-15 .. 1e15 in float32.
@@ -69,8 +69,8 @@ def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Arra
     # The products ``q^T P`` and ``P s`` as broadcast-multiply-reduce, not ``@``:
     # XLA:CPU compiles every ``dot`` instruction into its own LLVM module (~40 ms each,
     # two per matrix per loop body), while identical reduce fusions of same-shape
-    # matrices are compiled once (48 matrices of 768 x 768: 5.0 s -> 2.7 s of compile,
-    # issue 15); the step time is unchanged at the 130M preset (benchmarks/step_time.py).
+    # matrices are compiled once (48 matrices of 768 x 768: 5.0 s -> 2.7 s of compile);
+    # the step time is unchanged at the 130M preset (benchmarks/step_time.py).
     s = jnp.sum(q[:, None] * p, axis=0) / jnp.maximum(jnp.sum(q * q), tiny)
     q = jnp.sum(p * s[None, :], axis=1) / jnp.maximum(jnp.sum(s * s), tiny)
     return s, q
@@ -125,7 +125,7 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
     q_t = beta * q + (1 - beta) * q_new
     # s_t, q_t >= 0 and max propagates NaN, so the maxima alone tell whether both are
     # finite; reusing them for the floors saves four small reductions per matrix
-    # (XLA:CPU compiles each as two kernels: compile time, issue 15)
+    # (XLA:CPU compiles each as two kernels)
     s_max, q_max = jnp.max(s_t), jnp.max(q_t)
     ok = jnp.isfinite(s_max) & jnp.isfinite(q_max)
     s_t, q_t = jnp.where(ok, s_t, s), jnp.where(ok, q_t, q)
