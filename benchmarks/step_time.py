@@ -71,7 +71,8 @@ def build(name: str, preset: str, learning_rate: float = 1e-3, **kw):
 
 
 def interval_of(name: str, preset: str) -> int:
-  return {"eigen_adam": 10, "soap": 10, "shampoo": 10, "racs": 1, "adafactor": 1}.get(
+  return {"eigen_adam": 10, "soap": 10, "shampoo": 10, "racs": 1, "adafactor": 1, "swan": 1,
+          "muon": 1, "fo_muon": 1}.get(
       name, presets.LOW_RANK[preset][2])
 
 
@@ -202,29 +203,40 @@ def main():
   adam = setup("adam", args.preset)
   results = []
   for name in names:
-    step, grads, state, params, compile_s = setup(name, args.preset, args.stack_matrices)
-    k = interval_of(name, args.preset)
-    # states just before an ordinary step (count 1) and just before a refresh (count k)
-    ordinary_state = state
-    refresh_state = with_count(state, k)
-    t_adam, t_ord, t_ref = [], [], []
-    for rep in range(args.reps):  # interleaved rounds
-      t_adam.append(time_call(adam[0], adam[1], adam[2], adam[3]))
-      t_ord.append(time_call(step, grads, ordinary_state, params))
-      if rep < args.refresh_reps or k == 1:
-        t_ref.append(time_call(step, grads, refresh_state, params))
-    a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
-    amort = ((k - 1) * o + r) / k
-    results.append(dict(optimizer=name, preset=args.preset, adam_ms=a * 1e3, ordinary_ms=o * 1e3,
-                        refresh_ms=r * 1e3, interval=k, ratio_ordinary=o / a,
-                        ratio_refresh=r / a, ratio_amortised=amort / a,
-                        compile_s=compile_s, adam_compile_s=adam[4]))
+    r = measure(name, args.preset, reps=args.reps, refresh_reps=args.refresh_reps,
+                stack_matrices=args.stack_matrices, adam=adam)
+    results.append(r)
     if not args.json:
-      print(f"{name:12s} ordinary {o / a:6.2f}x  refresh {r / a:7.2f}x  amortised(K={k}) "
-            f"{amort / a:6.2f}x  compile {compile_s:5.1f}s (adam {adam[4]:.1f}s)  "
-            f"[adam {a * 1e3:.1f} ms]", flush=True)
+      print(f"{name:12s} ordinary {r['ratio_ordinary']:6.2f}x  refresh "
+            f"{r['ratio_refresh']:7.2f}x  amortised(K={r['interval']}) "
+            f"{r['ratio_amortised']:6.2f}x  compile {r['compile_s']:5.1f}s "
+            f"(adam {r['adam_compile_s']:.1f}s)  [adam {r['adam_ms']:.1f} ms]", flush=True)
   if args.json:
     print(json.dumps(results, indent=2))
+
+
+def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
+            stack_matrices: bool = False, adam=None) -> dict:
+  """Times ``name``'s update on an ordinary and a refresh step in rounds interleaved with
+  Adam's (medians); ratios to Adam's update, amortised over the refresh interval."""
+  adam = adam or setup("adam", preset)
+  step, grads, state, params, compile_s = setup(name, preset, stack_matrices)
+  k = interval_of(name, preset)
+  # states just before an ordinary step (count 1) and just before a refresh (count k)
+  ordinary_state = state
+  refresh_state = with_count(state, k)
+  t_adam, t_ord, t_ref = [], [], []
+  for rep in range(reps):  # interleaved rounds
+    t_adam.append(time_call(adam[0], adam[1], adam[2], adam[3]))
+    t_ord.append(time_call(step, grads, ordinary_state, params))
+    if rep < refresh_reps or k == 1:
+      t_ref.append(time_call(step, grads, refresh_state, params))
+  a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
+  amort = ((k - 1) * o + r) / k
+  return dict(optimizer=name, preset=preset, adam_ms=a * 1e3, ordinary_ms=o * 1e3,
+              refresh_ms=r * 1e3, interval=k, ratio_ordinary=o / a, ratio_refresh=r / a,
+              ratio_amortised=amort / a,
+              compile_s=compile_s, adam_compile_s=adam[4])
 
 
 def with_count(state, k):

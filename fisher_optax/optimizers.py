@@ -1,4 +1,4 @@
-"""Named optimizers: short chains of blocks (like ``optax/_src/alias.py``). No math here.
+"""Named optimizers: short chains of blocks (as optax builds its aliases from its transforms). No math here.
 
 Each returns an ``optax.GradientTransformationExtraArgs`` that applies the
 structured rule to the leaves selected by ``mask`` (default: matrices, see

@@ -7,7 +7,8 @@ with scikit-learn, no download), trained with AdamW, RACS, Alice and SOAP throug
 biases and norm scales go to Adam) and ``fo.describe`` prints it.
 
 Each optimizer's learning rate is chosen by the same rule: the best validation accuracy
-over ``--lrs`` with seed 0; then every seed in ``--seeds`` trains at that rate and the
+over ``--lrs`` with seed 0, the grid extended by one point while the best sits at its
+edge (``--max-extend`` points at most); then every seed in ``--seeds`` trains at that rate and the
 test accuracy (mean and spread) and the median step time are reported::
 
     python examples/vision/digits.py                   # under 3 minutes on 2 CPU cores
@@ -119,11 +120,26 @@ def train(name: str, lr: float, seed: int, data: dict, *, steps: int, batch: int
               loss=float(np.mean(losses[-10:])))
 
 
+def _extend(tried: list, best: float, budget: int) -> list:
+  """The grid rule's extension: while the best rate sits at an edge of the rates tried,
+  one more point beyond it, a factor of the grid's last step away (``budget`` more at
+  most)."""
+  if budget <= 0 or len(tried) < 2:
+    return []
+  if best == tried[-1]:
+    return [best * tried[-1] / tried[-2]]
+  if best == tried[0]:
+    return [best * tried[0] / tried[1]]
+  return []
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   ap.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2,1e-1",
                   help="learning-rate grid, the same for every optimizer")
+  ap.add_argument("--max-extend", type=int, default=2,
+                  help="points added beyond an edge of the grid where the best rate sits")
   ap.add_argument("--seeds", default="0,1,2")
   ap.add_argument("--steps", type=int, default=300)
   ap.add_argument("--batch", type=int, default=64)
@@ -136,22 +152,25 @@ def main(argv=None) -> dict:
   results = {}
   for name in names:
     sweep = {}
-    for i, lr in enumerate(lrs):
-      sweep[lr] = train(name, lr, seeds[0], data, steps=args.steps, batch=args.batch,
-                        show_routing=(i == 0 and name != "adamw"))
-      print(f"{name:6s} lr {lr:<7g} val acc {sweep[lr]['val']:.3f}  "
-            f"loss {sweep[lr]['loss']:.3f}", flush=True)
-    best = max(lrs, key=lambda lr: sweep[lr]["val"])
+    grid = list(lrs)
+    while grid:
+      for lr in grid:
+        sweep[lr] = train(name, lr, seeds[0], data, steps=args.steps, batch=args.batch,
+                          show_routing=(len(sweep) == 0 and name != "adamw"))
+        print(f"{name:6s} lr {lr:<7g} val acc {sweep[lr]['val']:.3f}  "
+              f"loss {sweep[lr]['loss']:.3f}", flush=True)
+      best = max(sorted(sweep), key=lambda lr: sweep[lr]["val"])
+      grid = _extend(sorted(sweep), best, args.max_extend - (len(sweep) - len(lrs)))
     runs = [sweep[best]] + [train(name, best, s, data, steps=args.steps, batch=args.batch)
                             for s in seeds[1:]]
     test = np.array([r["test"] for r in runs])
-    edge = len(lrs) > 1 and best in (min(lrs), max(lrs))
+    edge = len(sweep) > 1 and best in (min(sweep), max(sweep))
     results[name] = dict(lr=best, lr_at_grid_edge=edge, test_mean=float(test.mean()), test_std=float(test.std()),
                          step_ms=float(np.median([r["step_ms"] for r in runs])),
                          sweep={str(k): v for k, v in sweep.items()})
   base = results.get("adamw", next(iter(results.values())))["step_ms"]
   print(f"\n{args.steps} steps of batch {args.batch}; learning rate by validation accuracy "
-        f"over {lrs} (seed {seeds[0]}); test accuracy over seeds {seeds}")
+        f"over {lrs}, extended at an edge (seed {seeds[0]}); test accuracy over seeds {seeds}")
   print(f"{'optimizer':10s} {'lr':>7s} {'test accuracy':>16s} {'ms/step':>8s} {'vs first':>9s}")
   for name, r in results.items():
     print(f"{name:10s} {r['lr']:7g} {r['test_mean']:9.3f} ± {r['test_std']:.3f} "

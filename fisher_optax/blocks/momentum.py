@@ -22,7 +22,6 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from optax._src import numerics
 
 from fisher_optax import matrices, validation
 
@@ -57,10 +56,10 @@ def scale_by_momentum(beta: float = 0.95, *, nesterov: bool = True,
     grads = updates
     updates = optax.tree.cast(updates, jnp.float32)
     mu = optax.tree.update_moment(updates, optax.tree.cast(state.mu, jnp.float32), beta, 1)
-    count = numerics.safe_increment(state.count)
+    count = optax.safe_increment(state.count)
     if nesterov:
       out = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
-                         optax.tree.bias_correction(mu, beta, numerics.safe_increment(count)),
+                         optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
                          optax.tree.bias_correction(updates, beta, count))
     else:
       out = optax.tree.bias_correction(mu, beta, count)
