@@ -27,6 +27,7 @@ def test_paper_memory_table_reproduced(name):
         assert abs(ours - paper) <= 0.02 * paper + 0.005, (name, r)
 
 
+@pytest.mark.example
 def test_step_time_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
                         "tiny", "--optimizers", "racs,alice", "--reps", "2", "--json"],
@@ -34,6 +35,7 @@ def test_step_time_benchmark_runs_on_tiny():
   assert '"ratio_amortised"' in out.stdout
 
 
+@pytest.mark.example
 def test_step_time_compile_only_runs_on_tiny():
   import json
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
@@ -71,6 +73,7 @@ def test_step_time_builds_optax_peers_as_optax_builds_them():
   assert step_time.interval_of("adafactor", "tiny") == 1
 
 
+@pytest.mark.example
 def test_step_time_stacked_tree_routes_layer_stacks():
   """``--stacked``: one ``[L, ...]`` leaf per layer parameter; kernels routed as stacks of
   matrices, norm stacks to the fallback; the compile-only path runs on it."""
@@ -95,6 +98,7 @@ def test_step_time_stacked_tree_routes_layer_stacks():
   assert row["stacked"] and row["layers"] == 3 and row["compile_s"] > 0
 
 
+@pytest.mark.example
 def test_train_throughput_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"),
                         "--preset", "tiny", "--optimizers", "racs", "--steps", "1",

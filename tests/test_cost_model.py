@@ -48,6 +48,7 @@ def test_decomposition_flop_counts(target, shape, flops):
   assert cost_model.decomposition_flops(target, shape) == pytest.approx(flops)
 
 
+@pytest.mark.example
 def test_refresh_costs_more_than_an_ordinary_step_and_counters_fold():
   """On the tiny LLaMA's shapes: Alice's refresh (subspace iteration, QR, eigh on every
   routed matrix) costs more than its ordinary step, which runs no decomposition; RACS

@@ -64,6 +64,7 @@ def test_batches_are_a_pure_function_of_seed_and_step():
   np.testing.assert_array_equal(a[1], a[0] + 1)
 
 
+@pytest.mark.example
 @pytest.mark.parametrize("name", ["alice", "racs"])
 def test_pipeline_end_to_end(tmp_path, cache, name):
   res = train.run(_args(tmp_path, cache, "--optimizer", name), log=lambda *_: None)
@@ -74,6 +75,7 @@ def test_pipeline_end_to_end(tmp_path, cache, name):
   assert (tmp_path / "config.json").exists()
 
 
+@pytest.mark.example
 def test_grad_accumulation_equals_the_big_batch(tmp_path, cache):
   a = train.run(_args(tmp_path / "a", cache, "--optimizer", "adam", "--steps", "2"),
                 log=lambda *_: None)
@@ -83,6 +85,7 @@ def test_grad_accumulation_equals_the_big_batch(tmp_path, cache):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-6)
 
 
+@pytest.mark.example
 def test_resume_equals_uninterrupted_run(tmp_path, cache):
   full = train.run(_args(tmp_path / "full", cache, "--optimizer", "alice"), log=lambda *_: None)
   train.run(_args(tmp_path / "cut", cache, "--optimizer", "alice", "--stop-after", "4"),
@@ -95,6 +98,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, cache):
   assert [int(r["step"]) for r in rows] == [3, 6]
 
 
+@pytest.mark.example
 def test_compare_writes_summary_and_plot(tmp_path, cache):
   compare.main(["--preset", "tiny", "--optimizers", "adam,galore", "--steps", "4",
                 "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",
@@ -124,6 +128,7 @@ def test_presets_match_the_paper_table():
   assert presets.model_config("1B").num_params() == pytest.approx(1.34e9, rel=0.1)
 
 
+@pytest.mark.example
 @pytest.mark.parametrize("name", presets.OPTIMIZERS)
 def test_every_preset_optimizer_updates_the_model(name):
   """Each optimizer the example and the benchmark offer builds, routes the embeddings

@@ -260,6 +260,7 @@ def test_pyproject_has_a_flax_extra():
 # ----------------------------------------------------------- the NNX vision example
 
 
+@pytest.mark.example
 def test_vision_example_short_run():
   """examples/vision/digits.py, shortened: every optimizer trains through nnx.Optimizer,
   learns (test accuracy far above chance, 0.1) and reports a step time."""
