@@ -101,42 +101,14 @@ def describe(tx: Any, params: Any) -> Description:
     # a new function each call: jax caches traces by function, and a cached trace would
     # not run the inits that record themselves
     state = jax.eval_shape(lambda p: tx.init(p), params)
-  seen = {}  # outer leaf path -> (record, label, dims)
-  for rec in found:
-    inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
-    labels = jax.tree.leaves(rec.labels)
-    dims = jax.tree.leaves(matrices.resolve_dims(rec.routed.dims, rec.params),
-                           is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
-    for (path, _), label, d in zip(inner, labels, dims):
-      seen.setdefault(routing.path_to_str(path), (rec, label, d))
+  seen = _routing_by_path(found)
   counts = _state_numbers_by_leaf(state, [p for p, _ in flat])
   for rec in found:
     if rec.routed.info.get("stack_matrices"):
       _add_stacked_state(counts, rec, paths)
-  note = "" if found else "no fisher_optax named optimizer inside tx: rules unknown"
-  notes = [note] if note else []
-  rows = []
-  for (path, x), key, n in zip(flat, paths, counts):
-    shape = tuple(np.shape(x))
-    size = int(math.prod(shape))
-    view, r, rule = "-", None, "fallback" if not found else "other"
-    if key in seen:
-      rec, label, d = seen[key]
-      rule = rec.routed.info.get("name", "structured") if label == "structured" else "fallback"
-      if label == "fallback" and rec.routed.dims is None and len(shape) > 2:
-        view = "? *"
-        star = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
-                "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
-                "(Flax NNX) or fo.MatrixDims(...)")
-        if star not in notes:
-          notes.append(star)
-      if label == "structured":
-        v = matrices.matrix_view(shape, d, smaller_first=True)
-        view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
-        rank = rec.routed.info.get("rank")
-        if rank is not None:
-          r = min(int(rank), v.m)
-    rows.append(LeafRouting(key, shape, rule, view, r, n, 2 * size))
+  notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
+  rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other" if found
+               else "fallback") for (_, x), key, n in zip(flat, paths, counts)]
   if any(row.rule == "other" for row in rows):
     notes.append("other: leaves that no fisher_optax named optimizer inside tx receives")
   if any(row.above_adam for row in rows):
@@ -144,6 +116,42 @@ def describe(tx: Any, params: Any) -> Description:
                  "to its side, or a full-matrix preconditioner (SOAP, Shampoo, Eigen-Adam) "
                  "by design; a lower rank, or mask= sending it to the fallback, saves memory")
   return Description(tuple(rows), "; ".join(notes))
+
+
+def _routing_by_path(found: list) -> dict:
+  """``{leaf path: (record, label, dims)}`` from the recorded inits (the first wins)."""
+  seen = {}
+  for rec in found:
+    inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
+    labels = jax.tree.leaves(rec.labels)
+    dims = jax.tree.leaves(matrices.resolve_dims(rec.routed.dims, rec.params),
+                           is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
+    for (path, _), label, d in zip(inner, labels, dims):
+      seen.setdefault(routing.path_to_str(path), (rec, label, d))
+  return seen
+
+
+def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: str
+         ) -> LeafRouting:
+  """One leaf's row; ``routed`` is its ``(record, label, dims)`` or ``None``."""
+  view, r, rule = "-", None, default
+  if routed is not None:
+    rec, label, d = routed
+    rule = rec.routed.info.get("name", "structured") if label == "structured" else "fallback"
+    if label == "fallback" and rec.routed.dims is None and len(shape) > 2:
+      view = "? *"
+      star = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
+              "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
+              "(Flax NNX) or fo.MatrixDims(...)")
+      if star not in notes:
+        notes.append(star)
+    if label == "structured":
+      v = matrices.matrix_view(shape, d, smaller_first=True)
+      view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
+      rank = rec.routed.info.get("rank")
+      if rank is not None:
+        r = min(int(rank), v.m)
+  return LeafRouting(key, shape, rule, view, r, numbers, 2 * int(math.prod(shape)))
 
 
 def _add_stacked_state(counts: list, rec: routing.RoutedInit, paths: list) -> None:

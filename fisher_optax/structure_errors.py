@@ -53,6 +53,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from fisher_optax import fim
+
 STRUCTURES = ("diagonal", "whitening", "normalization", "two_sided", "general", "kronecker",
               "shampoo", "eigen_adam", "soap", "alice", "alice_no_comp")
 LOW_RANK = ("alice", "alice_no_comp")
@@ -141,16 +143,6 @@ class LayerSamples:
       x = x @ u_right
     d = np.mean(x * x, axis=0)
     return float(np.sum(d * d)), d
-
-
-def _eigh_desc(a: np.ndarray):
-  w, v = np.linalg.eigh(0.5 * (a + a.T))
-  return w[::-1], v[:, ::-1]
-
-
-def _psd_sqrt(a: np.ndarray) -> np.ndarray:
-  w, v = np.linalg.eigh(0.5 * (a + a.T))
-  return (v * np.sqrt(np.maximum(w, 0.0))) @ v.T
 
 
 def _result(structure: str, s: LayerSamples, err_sq: float, numbers: int) -> StructureError:
@@ -264,8 +256,8 @@ def shampoo(s: LayerSamples) -> StructureError:
   """Shampoo's ``R^1/2 (x) L^1/2``, ``R = E[G^T G] / m``, ``L = E[G G^T] / n`` (the
   minimiser of an upper bound, Thm. "Shampoo pre-conditioner"):
   ``||F~||^2 = tr(R) tr(L)``, ``<F~, F> = tr(L^1/2 E[G R^1/2 G^T])``."""
-  r_half = _psd_sqrt(s.right / s.m)
-  l_half = _psd_sqrt(s.left / s.n)
+  r_half = fim._psd_power(s.right / s.m, 0.5)
+  l_half = fim._psd_power(s.left / s.n, 0.5)
   cat = np.moveaxis(s.g, 0, 1).reshape(s.m, -1)
   grg = np.moveaxis(s.g @ r_half, 0, 1).reshape(s.m, -1) @ cat.T / s.n_samples
   cross = float(np.sum(l_half * grg))
@@ -277,7 +269,7 @@ def eigen_adam(s: LayerSamples) -> StructureError:
   """Eigen-Adam's ``blockdiag(U D_i U^T)``, ``U = eig(E[G G^T])``,
   ``D_i = diag(E[(U^T g_i)^2])`` (1-step refinement): the diagonal structure of the
   rotated samples ``U^T G``."""
-  _, u = _eigh_desc(s.left)
+  u = fim._eig_desc(s.left)
   d_sq, _ = s.rotated_diagonal_sq(u, None)
   return _result("eigen_adam", s, s.fisher_sq - d_sq, s.m * s.m + s.m * s.n)
 
@@ -286,8 +278,8 @@ def soap(s: LayerSamples) -> StructureError:
   """SOAP's ``(U_R (x) U_L) diag(vec(D)) (U_R (x) U_L)^T``, ``D = E[(U_L^T G U_R)^2]``
   with the eigenbases of ``E[G G^T]`` and ``E[G^T G]``: the diagonal structure of the
   rotated samples."""
-  _, ul = _eigh_desc(s.left)
-  _, ur = _eigh_desc(s.right)
+  ul = fim._eig_desc(s.left)
+  ur = fim._eig_desc(s.right)
   d_sq, _ = s.rotated_diagonal_sq(ul, ur)
   return _result("soap", s, s.fisher_sq - d_sq, s.m * s.m + s.n * s.n + s.m * s.n)
 
@@ -301,7 +293,7 @@ def alice(s: LayerSamples, rank: int, *, compensation: bool = True) -> Structure
   if not 1 <= rank < s.m:
     raise ValueError(f"{s.name}: Alice's rank must be in [1, {s.m - 1}] for a {s.m} x {s.n} "
                      f"layer (its smaller side is {s.m}), got {rank}")
-  _, u = _eigh_desc(s.left)
+  u = fim._eig_desc(s.left)
   u = u[:, :rank]
   d_sq, d = s.rotated_diagonal_sq(u, None)
   err_sq = s.fisher_sq - d_sq
