@@ -195,13 +195,17 @@ def sweep_lr(make: Callable[[float], RunConfig], cache: Cache, base: float,
 def tune(name: str, args, cache: Cache) -> dict:
   """Sweep of one optimizer; returns its best setting and every sweep point."""
   base = presets.default_lr(args.preset, name)
-  grid = ADAMW_GRID if name == "adamw" else [{}]
+  grid = ([{}] if name != "adamw" else
+          [args.adamw_hparams] if args.adamw_hparams is not None else ADAMW_GRID)
+  # A sweep at the full budget records as many evaluations as a final run, so its
+  # sweep-seed run is that seed's final run (one cache entry, not two).
+  evals = EVALS_PER_RUN if args.sweep_steps == args.steps else SWEEP_EVALS
   sweeps = []
   for hp in grid:
     def make(lr, hp=hp):
       return RunConfig(args.preset, name, lr, tuple(sorted(hp.items())), args.sweep_steps,
                        args.sweep_seed, args.data, args.batch_size, args.eval_batches,
-                       args.vocab_size, evals=SWEEP_EVALS)
+                       args.vocab_size, evals=evals)
     sw = sweep_lr(make, cache, base, args.max_extend)
     sweeps.append(dict(hparams=hp, **sw))
   done = [s for s in sweeps if s["best_lr"] is not None]
@@ -291,8 +295,11 @@ def write_report(out: pathlib.Path, args, results: dict, table: dict, command: s
   lines = [f"# Convergence benchmark: preset `{args.preset}`, {args.steps} steps, "
            f"seeds {args.seeds}, data `{args.data}`", "",
            f"Learning rates tuned per optimizer at {args.sweep_steps} steps (seed "
-           f"{args.sweep_seed}) on the grid `default * 2^k`; AdamW also over b2 in "
-           "{0.95, 0.999} x weight decay in {0, 0.1}. Target: tuned AdamW's final eval "
+           f"{args.sweep_seed}) on the grid `default * 2^k`; "
+           + ("AdamW also over b2 in {0.95, 0.999} x weight decay in {0, 0.1}. "
+              if args.adamw_hparams is None else
+              f"AdamW's other hyperparameters fixed at {args.adamw_hparams}. ")
+           + "Target: tuned AdamW's final eval "
            f"loss, {table['target']:.4f} ± {table['target_std']:.4f}. Speed-up (steps) = "
            "budget / steps to reach the target; speed-up (wall) = AdamW's training time "
            "to the target / this one's. ± is the standard deviation over seeds.", "",
@@ -400,6 +407,8 @@ def parse_args(argv=None):
   ap.add_argument("--sweep-seed", type=int, default=0)
   ap.add_argument("--max-extend", type=int, default=3,
                   help="grid extensions per side while the best lr is at an edge")
+  ap.add_argument("--adamw-hparams", type=json.loads, default=None,
+                  help="JSON dict fixing AdamW's b2/weight decay (then only its lr is swept)")
   ap.add_argument("--data", default="shakespeare")
   ap.add_argument("--batch-size", type=int, default=None)
   ap.add_argument("--vocab-size", type=int, default=None)

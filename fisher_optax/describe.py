@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fisher_optax import matrices, routing, stacking
+from fisher_optax import matrices, memory, routing, stacking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ def describe(tx: Any, params: Any) -> Description:
     # not run the inits that record themselves
     state = jax.eval_shape(lambda p: tx.init(p), params)
   seen = _routing_by_path(found)
-  counts = _state_numbers_by_leaf(state, [p for p, _ in flat])
+  counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat])
   for rec in found:
     if rec.routed.info.get("stack_matrices"):
       _add_stacked_state(counts, rec, paths)
@@ -172,19 +172,3 @@ def _add_stacked_state(counts: list, rec: routing.RoutedInit, paths: list) -> No
     for j in members:
       counts[outer[inner_paths[index[j]]]] += (per_group[name] * plan.views[j].num_matrices
                                                // total)
-
-
-def _state_numbers_by_leaf(state, param_paths) -> list[int]:
-  """Optimizer-state numbers attributed to each parameter: a state leaf belongs to the
-  parameter whose path ends its own path (counters and keys belong to none)."""
-  keys = {tuple(routing.path_to_str([k]) for k in p): i for i, p in enumerate(param_paths)}
-  longest = max((len(k) for k in keys), default=0)
-  counts = [0] * len(param_paths)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    names = tuple(routing.path_to_str([k]) for k in path)
-    for n in range(min(longest, len(names)), 0, -1):
-      i = keys.get(names[-n:])
-      if i is not None:
-        counts[i] += int(math.prod(getattr(leaf, "shape", ())))
-        break
-  return counts

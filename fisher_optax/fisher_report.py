@@ -85,6 +85,18 @@ class FisherReport:
                                                         for s in self.structures) + " |")
     return "\n".join(lines)
 
+  @classmethod
+  def from_csv(cls, path) -> "FisherReport":
+    """The report :meth:`to_csv` wrote (errors at the 6 digits written)."""
+    with pathlib.Path(path).open(newline="") as f:
+      recs = list(csv.DictReader(f))
+    if not recs:
+      raise ValueError(f"FisherReport.from_csv: {path} has no rows")
+    rows = tuple(ReportRow(r["matrix"], int(r["m"]), int(r["n"]), r["structure"],
+                           float(r["relative_error"]), int(r["numbers"])) for r in recs)
+    structures = tuple(dict.fromkeys(r.structure for r in rows))
+    return cls(rows, int(recs[0]["samples"]), structures)
+
   def to_csv(self, path) -> None:
     with pathlib.Path(path).open("w", newline="") as f:
       w = csv.writer(f)

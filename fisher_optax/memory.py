@@ -29,8 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 import numpy as np
+
+from fisher_optax import routing
 
 
 def state_bytes(state: Any) -> int:
@@ -46,6 +50,23 @@ def state_numbers(state: Any) -> int:
   """Total number of elements of the array leaves of ``state``."""
   return sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(state)
              if hasattr(x, "shape"))
+
+
+def state_sizes_by_leaf(state, param_paths, *, nbytes: bool = False) -> list[int]:
+  """Optimizer-state numbers (or bytes) attributed to each parameter: a state leaf belongs
+  to the parameter whose path ends its own path (counters and keys belong to none)."""
+  keys = {tuple(routing.path_to_str([k]) for k in p): i for i, p in enumerate(param_paths)}
+  longest = max((len(k) for k in keys), default=0)
+  counts = [0] * len(param_paths)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    names = tuple(routing.path_to_str([k]) for k in path)
+    for n in range(min(longest, len(names)), 0, -1):
+      i = keys.get(names[-n:])
+      if i is not None:
+        size = int(math.prod(getattr(leaf, "shape", ())))
+        counts[i] += size * (np.dtype(leaf.dtype).itemsize if nbytes else 1)
+        break
+  return counts
 
 
 def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from examples.llama import compare, data, presets, train
+from examples.llama import choose_structures, compare, data, presets, train
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_presets_match_the_paper_table():
 
 
 @pytest.mark.example
-@pytest.mark.parametrize("name", presets.OPTIMIZERS)
+@pytest.mark.parametrize("name", [n for n in presets.OPTIMIZERS if n != "per_layer"])
 def test_every_preset_optimizer_updates_the_model(name):
   """Each optimizer the example and the benchmark offer builds, routes the embeddings
   (and output layer) as documented and takes two jitted steps on a small LLaMA
@@ -148,6 +148,46 @@ def test_every_preset_optimizer_updates_the_model(name):
     u, state = step(g, state, params)
     params = optax.apply_updates(params, u)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+  before = nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param))
+  assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params),
+                                                   jax.tree.leaves(before)))
+
+
+@pytest.mark.example
+def test_per_layer_preset_follows_the_tiny_report():
+  """``per_layer`` on the tiny LLaMA: the committed report's choice at Adam's memory,
+  each matrix on its structure's optimizer, embeddings on AdamW; two steps move every
+  leaf."""
+  import optax
+  from flax import nnx
+  import fisher_optax as fo
+  from fisher_optax import fisher_report, structure_choice
+  from examples.llama.model import Llama
+  params = nnx.to_pure_dict(nnx.state(Llama(presets.model_config("tiny"), nnx.Rngs(0)),
+                                      nnx.Param))
+  tx = presets.make_optimizer("per_layer", "tiny", 1.0, params=params)
+  report = presets.latest_report("tiny")
+  assert report.endswith("step_300.csv")
+  opts = presets.per_layer_candidates("tiny", 1.0)
+  choice = structure_choice.choose_structures(
+      fisher_report.FisherReport.from_csv(report), opts, params, budget=1.0)
+  assert choice.state_bytes <= choice.budget_bytes
+  assert len(set(choice.structures.values())) >= 2
+  out = choose_structures.main(["--preset", "tiny", "--budgets", "1"])
+  assert out[1.0].structures == choice.structures
+  rules = {r.path: r.rule for r in fo.describe(tx, params).rows}
+  named = {"two_sided": "racs", "alice": "alice", "alice_no_comp": "alice0", "soap": "soap",
+           "diagonal": "other"}
+  for path, s in choice.structures.items():
+    assert rules[path] == named[s], (path, s)
+  assert rules["embed/embedding"] == "other"
+  step, state, new = jax.jit(tx.update), tx.init(params), params
+  for t in range(2):  # SOAP's first step only sets its bases
+    g = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(t), p.shape) * 1e-2, params)
+    u, state = step(g, state, new)
+    new = optax.apply_updates(new, u)
+  assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(new),
+                                                   jax.tree.leaves(params)))
 
 
 @pytest.mark.parametrize("name", ["eigen_adam", "soap", "shampoo"])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 import fisher_optax as fo
+from fisher_optax import fisher_report, structure_choice
 from examples.llama.model import LlamaConfig
 
 MODELS = {
@@ -45,7 +46,19 @@ MAX_PRECOND_DIM = 4096
 
 OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0",
               "alice_soap", "galore",
-              "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo")
+              "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo", "per_layer")
+
+# ``per_layer``: the structure of each matrix chosen from a Fisher report under a memory
+# budget (``fisher_optax.structure_choice``), each structure trained by its named
+# optimizer at that optimizer's tuned learning rate (the convergence harness's sweep on
+# the preset) times one common factor, the ``learning_rate`` given (swept like any
+# other optimizer's, around 1). Leaves outside the report (embeddings, norms) get AdamW.
+PER_LAYER_OPTIMIZERS = {"diagonal": "adamw", "two_sided": "racs", "alice": "alice",
+                        "alice_no_comp": "alice0", "soap": "soap"}
+PER_LAYER_LR = {
+    "tiny": {"adamw": 2e-3, "racs": 0.04, "alice": 0.02, "alice0": 0.02, "soap": 6e-3},
+    "small": {"adamw": 4e-3, "racs": 0.02, "alice": 0.01, "alice0": 0.01, "soap": 6e-3},
+}
 
 
 def model_config(preset: str, vocab_size: int | None = None, **overrides) -> LlamaConfig:
@@ -63,7 +76,7 @@ def default_lr(preset: str, name: str) -> float:
           "swan": 7e-4 if big else 1e-3, "racs": 0.02,
           "alice": 0.02, "alice0": 0.02, "alice_soap": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
-          "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03}[name]
+          "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03, "per_layer": 1.0}[name]
 
 
 def _matrices(params):
@@ -72,6 +85,7 @@ def _matrices(params):
 
 
 def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bool | None = None,
+                   params=None, on_unmatched: str = "raise",
                    **hparams) -> optax.GradientTransformation:
   """The paper's optimizer ``name`` for ``preset``; embeddings always go to Adam.
 
@@ -85,6 +99,8 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
   """
   if name not in OPTIMIZERS:
     raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+  if name == "per_layer":
+    return per_layer_optimizer(preset, learning_rate, params, **hparams)
   if name == "adam":
     return optax.adam(learning_rate, **hparams)
   if name == "adamw":
@@ -94,7 +110,7 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
   if lm_head_on_adam is None:
     lm_head_on_adam = name in LM_HEAD_ON_ADAM
   exclude = ["embed"] + (["lm_head"] if lm_head_on_adam else [])
-  mask = fo.path_mask(exclude=exclude)
+  mask = fo.path_mask(exclude=exclude, on_unmatched=on_unmatched)
   if name == "muon":
     # optax.contrib.muon also evaluates this on its own partition (embeddings and output
     # layer absent there), so unmatched patterns must not raise inside it
@@ -130,3 +146,46 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
     kw = dict(eps=1e-4, interval=10, max_precond_dim=MAX_PRECOND_DIM)
   kw.update(hparams)
   return getattr(fo, name)(learning_rate, mask=mask, **kw)
+
+
+def latest_report(preset: str) -> str:
+  """The preset's Fisher report CSV at its last step (``benchmarks/results``)."""
+  import pathlib
+  folder = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / (
+      f"fim_report_{preset}")
+  found = sorted(folder.glob("step_*.csv"), key=lambda p: int(p.stem.split("_")[1]))
+  if not found:
+    raise ValueError(f"no Fisher report under {folder}; run examples/llama/fim_report.py")
+  return str(found[-1])
+
+
+def per_layer_candidates(preset: str, factor) -> dict:
+  """``{structure: its named optimizer}`` at the tuned learning rates times ``factor``."""
+  # each sees only its own leaves inside the partition: no "embed" path there
+  return {s: make_optimizer(o, preset, _per_layer_lr(preset, o, factor), lm_head_on_adam=False,
+                            on_unmatched="ignore") for s, o in PER_LAYER_OPTIMIZERS.items()}
+
+
+def per_layer_optimizer(preset: str, factor, params, *, report: str | None = None,
+                        budget: float = 1.0, lm_head_on_adam: bool | None = None,
+                        ) -> optax.GradientTransformation:
+  """``per_layer``: see ``PER_LAYER_OPTIMIZERS``. ``report`` is a CSV written by
+  ``examples/llama/fim_report.py`` (default: :func:`latest_report`); ``budget`` a
+  fraction of Adam's state over the reported matrices. ``factor`` (a number or schedule)
+  multiplies every learning rate; ``params`` (abstract arrays are enough) sizes each
+  optimizer's state. Leaves outside the report train with AdamW."""
+  if params is None:
+    raise ValueError("per_layer needs params= to measure each optimizer's state")
+  del lm_head_on_adam  # the report decides the output layer's structure
+  optimizers = per_layer_candidates(preset, factor)
+  choice = structure_choice.choose_structures(
+      fisher_report.FisherReport.from_csv(report or latest_report(preset)), optimizers,
+      params, budget=budget)
+  fallback = make_optimizer("adamw", preset, _per_layer_lr(preset, "adamw", factor))
+  return structure_choice.per_layer(choice, optimizers, fallback=fallback)
+
+
+def _per_layer_lr(preset: str, name: str, factor):
+  """``name``'s tuned learning rate on ``preset`` times ``factor`` (number or schedule)."""
+  base = PER_LAYER_LR[preset][name]
+  return (lambda step: base * factor(step)) if callable(factor) else base * factor

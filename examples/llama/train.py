@@ -139,7 +139,7 @@ def build(args) -> Setup:
   head = {"auto": None, "adam": True, "structured": False}[args.lm_head]
   hparams = json.loads(args.hparams) if getattr(args, "hparams", None) else {}
   tx = presets.make_optimizer(args.optimizer, args.preset, lr_schedule(lr, args.steps),
-                              lm_head_on_adam=head, **hparams)
+                              lm_head_on_adam=head, params=params, **hparams)
   bs = args.batch_size or BATCH[args.preset]
   if bs % args.grad_accum:
     raise ValueError(f"--batch-size {bs} is not divisible by --grad-accum {args.grad_accum}")
