@@ -11,8 +11,9 @@ Alice          ``2nr + mr + r^2 + n`` (+1 limiter scalar)
 Alice-0        ``2nr + mr + n`` (+1)
 Alice-SOAP     ``mr + r^2 + nk + k^2 + 2rk + n + r`` (+2 limiter scalars; ``k`` the
                right rank, default ``r``; not in the paper: docs/low_rank_soap.md)
-Apollo         ``2nr`` (+1 limiter scalar, +1 seed)
-Apollo-mini    ``2n`` (+2: limiter norm, seed) -- the paper's ``2n + 2``
+Apollo         ``2nr`` (+1 limiter scalar)
+Apollo-mini    ``2n`` (+1 limiter norm) -- the paper's ``2n + 2`` counts a stored seed;
+               here the projection's key follows from the step counter
 Eigen-Adam     ``2m^2 + 2mn`` (statistics, basis, moments)
 SOAP           ``2m^2 + 2n^2 + 2mn``
 Shampoo        ``2m^2 + 2n^2 + m + n`` (statistics, bases, eigenvalues)
@@ -87,8 +88,8 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
       "alice": (2 * n * r + m * r + r * r + n, 1),
       "alice0": (2 * n * r + m * r + n, 1),
       "alice_soap": (m * r + r * r + n * k + k * k + 2 * r * k + n + r, 2),
-      "apollo": (2 * n * r, 2),
-      "apollo_mini": (2 * n, 2),
+      "apollo": (2 * n * r, 1),
+      "apollo_mini": (2 * n, 1),
       "eigen_adam": (2 * m * m + 2 * m * n, 0),
       "soap": (2 * m * m + 2 * n * n + 2 * m * n, 0),
       "shampoo": (2 * m * m + 2 * n * n + m + n, 0),

@@ -55,7 +55,9 @@ _PAPER = "Gong, Scetbon, Ma, Meeds 2025, arXiv:2502.07752"
 _COMMON_ARGS = """\
     weight_decay: decoupled weight decay ``lambda`` on the structured leaves
       (``W <- W - lr * (direction + lambda * W)``, as ``optax.adamw``); a float or a
-      schedule; default 0 (the paper uses none).
+      schedule; default ``None``: no decay (the paper uses none). Any number, ``0.0``
+      included, adds the decay step (stateless), so the state is the same with and
+      without ``optax.inject_hyperparams``.
     mask: which leaves get the structured rule: a tree of bools, a callable on the
       params (e.g. :func:`~fisher_optax.path_mask`), or ``None`` (default: every
       2-D leaf whose sides are both > 1 and whose name is not a bias or norm scale;
@@ -130,7 +132,7 @@ def _block_dims(dims: matrices.DimsSpec, stack_matrices: bool) -> matrices.DimsS
   return None if stack_matrices else dims
 
 
-def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=0.0, *,
+def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=None, *,
             name: str = "structured", rank: Optional[int] = None, stack: bool = False):
   """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
 
@@ -140,10 +142,11 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
   the fallback (default ``optax.adam``) has none unless ``fallback`` brings its own,
   e.g. ``fallback=optax.adamw(lr, weight_decay=...)``.
   """
-  if not callable(weight_decay):
+  if weight_decay is not None and not callable(weight_decay):
     validation.check_range("weight_decay", weight_decay, low=0.0, high=float("inf"))
-  decay = ([] if isinstance(weight_decay, (int, float)) and weight_decay == 0
-           else [optax.add_decayed_weights(weight_decay)])
+  # ``None`` (not 0) means no decay, as in optax: then a traced weight decay under
+  # ``optax.inject_hyperparams`` gives the same state structure as a Python number
+  decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
   structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
   if stack:
     structured = stacking.stack_matrices(structured, dims=dims)
@@ -155,7 +158,7 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
 @_documented(_ex('racs(1e-2)'))
 def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: float = 0.05,
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
-         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
@@ -228,7 +231,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
           interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
           b2: float = 0.9, b3: float = 0.999, limiter: Optional[float] = 1.01,
           eps: float = 1e-8, seed: int = 0,
-          weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
           dims: matrices.DimsSpec = None,
           stack_matrices: bool = False,
           fallback: Optional[optax.GradientTransformation] = None,
@@ -288,7 +291,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
            leading: Optional[int] = None,
            interval: int = 200, alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
-           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None,
@@ -337,7 +340,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                interval: int = 200,
                alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9, b2: float = 0.9,
                b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
-               seed: int = 0, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+               seed: int = 0, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: bool = False,
                fallback: Optional[optax.GradientTransformation] = None,
@@ -424,7 +427,7 @@ def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
 @_documented(_ex('galore(1e-2, rank=4)'))
 def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None,
@@ -464,7 +467,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
          scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          limiter: Optional[float] = 1.01,
-         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None,
@@ -517,7 +520,7 @@ fira.static_args = ("rank",)
 def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1: float = 0.9,
                b2: float = 0.9, b3: float = 0.999, eps: float = 1e-8,
                max_precond_dim: Optional[int] = None,
-               weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+               weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: bool = False,
                fallback: Optional[optax.GradientTransformation] = None
@@ -555,7 +558,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
 def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float = 0.95,
          shampoo_beta: Optional[float] = None, eps: float = 1e-8,
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
-         weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
@@ -599,7 +602,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
 @_documented(_ex('shampoo(1e-3, interval=2)'))
 def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interval: int = 10,
             max_precond_dim: Optional[int] = None,
-            weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
             stack_matrices: bool = False,
             fallback: Optional[optax.GradientTransformation] = None
@@ -667,7 +670,7 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
 def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: int = 200,
            scale: float = 1.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            limiter: Optional[float] = 1.01, seed: int = 0,
-           weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: bool = False,
            fallback: Optional[optax.GradientTransformation] = None
@@ -704,7 +707,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 scale: float = 128.0, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
                 limiter: Optional[float] = 1.01, seed: int = 0,
-                weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+                weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                 dims: matrices.DimsSpec = None,
                 stack_matrices: bool = False,
                 fallback: Optional[optax.GradientTransformation] = None
@@ -717,7 +720,9 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
     s = \frac{\|\mathrm{Adam}(\sigma)\|}{\|\sigma\|},\quad
     W \leftarrow W - \eta_t\, c_t \sqrt{\mathrm{scale}}\; \phi_t\, s\, G
 
-  State per ``m x n`` matrix: ``2n + 2`` numbers (paper App. "Memory consumption").
+  State per ``m x n`` matrix: ``2n + 1`` numbers (paper App. "Memory consumption"
+  counts ``2n + 2``, with a stored seed; here the projection's key follows from the step
+  counter, :mod:`fisher_optax.rng`).
 
   Args:
     learning_rate: ``eta_t``, a float or an optax schedule.
@@ -741,7 +746,7 @@ apollo.static_args = ("rank",)
 @_documented(_ex('swan(1e-3)'))
 def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
-         eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None
@@ -779,7 +784,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
 @_documented(_ex('muon(1e-3)'))
 def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov: bool = True,
          steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
-         eps: float = 1e-8, weight_decay: optax.ScalarOrSchedule = 0.0, mask: Any = None,
+         eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: bool = False,
          fallback: Optional[optax.GradientTransformation] = None

@@ -295,6 +295,37 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
       found.append(RoutedInit(out, _shape_struct(params), labels(params), _shape_struct(state)))
     return state
 
-  out = RoutedTransformation(init, tx.update)
+  name = (info or {}).get("name", "structured")
+
+  def update(updates, state, params=None, **extra):
+    check_state(tx.init, updates, state, name)
+    return tx.update(updates, state, params, **extra)
+
+  out = RoutedTransformation(init, update)
   out.labels, out.dims, out.info = labels, dims, dict(info or {})
   return out
+
+
+def check_state(init: Callable[[Any], Any], updates: Any, state: Any, name: str) -> None:
+  """Raises a ``ValueError`` naming the first state leaf that does not fit ``updates``
+  (a state saved for another tree: other shapes, other leaf count), by comparing
+  ``state`` with ``jax.eval_shape(init, updates)`` when tracing (no run-time cost)."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (a leaf routed elsewhere)
+  want = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, updates), is_leaf=masked)[0]
+  got = jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
+  for (pw, w), (pg, g) in zip(want, got):
+    if pw != pg or masked(w) != masked(g):
+      raise ValueError(f"{name}: the optimizer state does not fit these updates: the state "
+                       f"has {jax.tree_util.keystr(pg)} where the updates' tree needs "
+                       f"{jax.tree_util.keystr(pw)} (a state from another parameter tree?)")
+    if not masked(w) and tuple(jnp.shape(g)) != tuple(w.shape):
+      raise ValueError(f"{name}: the optimizer state does not fit these updates: state leaf "
+                       f"{jax.tree_util.keystr(pg)} has shape {tuple(jnp.shape(g))}, the "
+                       f"updates need {tuple(w.shape)} (a state from another parameter "
+                       "tree?)")
+  if len(want) != len(got):
+    extra = (got if len(got) > len(want) else want)[min(len(want), len(got))][0]
+    raise ValueError(f"{name}: the optimizer state does not fit these updates: the state "
+                     f"has {len(got)} arrays, the updates' tree needs {len(want)} (first "
+                     f"unmatched: {jax.tree_util.keystr(extra)}; a state from another "
+                     "parameter tree?)")

@@ -34,24 +34,18 @@ from fisher_optax import matrices, routing
 
 class StackMatricesState(NamedTuple):
   """``inner``: the inner transformation's state over the stacked tree, a dict keyed by
-  group (:func:`group_name`); ``starts``: the plan's split offsets (:attr:`StackPlan.starts`)
-  as int32 scalars, one array each (:func:`unstack` reads them at run time)."""
+  group (:func:`group_name`)."""
   inner: Any
-  starts: tuple = ()
-  SHARDING = {"starts": "replicated"}  # sharding.py roles
 
 
 class StackPlan(NamedTuple):
   """How one tree's leaves are stacked: per leaf its view, dtype and (group, first
-  matrix, number of matrices); ``groups`` lists each group's member leaves in order;
-  ``starts`` the distinct first matrices of the leaves that are a part of their stack
-  (where :func:`unstack` splits), ascending."""
+  matrix, number of matrices); ``groups`` lists each group's member leaves in order."""
   treedef: Any
   views: list
   dtypes: list
   slots: list
   groups: dict
-  starts: tuple = ()
 
 
 def group_name(path: Any, view: matrices.MatrixView) -> str:
@@ -83,10 +77,7 @@ def plan(tree: Any, dims: matrices.DimsSpec) -> StackPlan:
     members = groups.setdefault(name, [])
     slots.append((name, sum(views[j].num_matrices for j in members), v.num_matrices))
     members.append(i)
-  totals = {name: sum(views[j].num_matrices for j in idx) for name, idx in groups.items()}
-  starts = tuple(sorted({start for name, start, num in slots if num != totals[name]}))
-  return StackPlan(treedef, views, [jnp.dtype(x.dtype) for _, x in flat], slots, groups,
-                   starts)
+  return StackPlan(treedef, views, [jnp.dtype(x.dtype) for _, x in flat], slots, groups)
 
 
 def plan_routed(params: Any, labels: Any, dims: matrices.DimsSpec) -> tuple[StackPlan, list]:
@@ -112,34 +103,15 @@ def stack(p: StackPlan, tree: Any) -> dict:
           for name, idx in p.groups.items()}
 
 
-def starts_state(p: StackPlan) -> tuple:
-  """:attr:`StackPlan.starts` as the int32 scalars :func:`unstack` reads at run time."""
-  return tuple(jnp.asarray(s, jnp.int32) for s in p.starts)
-
-
-def unstack(p: StackPlan, stacked: dict, starts: Optional[tuple] = None) -> Any:
-  """Inverse of :func:`stack`; each leaf cast (saturating) to its planned dtype.
-
-  With ``starts`` (:func:`starts_state`, traced) a leaf that is part of its stack is cut
-  out with ``dynamic_slice`` at an offset read from ``starts``; otherwise with a static
-  slice. Same values; the difference is compile time: XLA:CPU compiles a static slice
-  (fused with the work around it) into its own kernel per offset -- 12 layers, 12
-  kernels per matrix shape, ~10 ms each -- while slices at run-time offsets of one shape
-  share one kernel. If ``starts`` no longer hold the plan's offsets (a state changed by
-  hand), every split leaf is NaN rather than another leaf's update."""
-  index = {s: i for i, s in enumerate(p.starts)}
-  intact = None
-  if starts is not None and p.starts:
-    intact = jnp.all(jnp.stack(starts) == jnp.asarray(p.starts, jnp.int32))
+def unstack(p: StackPlan, stacked: dict) -> Any:
+  """Inverse of :func:`stack`; each leaf cast (saturating) to its planned dtype. A leaf
+  that is part of its stack is cut out with a static slice (XLA:CPU's cost of those:
+  :func:`fisher_optax.matrices.map_grouped`)."""
   out = []
   for (name, start, num), v, dtype in zip(p.slots, p.views, p.dtypes):
     x = stacked[name]
     if num != x.shape[0]:
-      if starts is None:
-        x = jax.lax.slice_in_dim(x, start, start + num, axis=0)
-      else:
-        x = jax.lax.dynamic_slice_in_dim(x, starts[index[start]], num, axis=0)
-        x = jnp.where(intact, x, jnp.nan)
+      x = jax.lax.slice_in_dim(x, start, start + num, axis=0)
     x = v.from_canonical(x.reshape(v.batch_shape + (v.fan_in, v.fan_out)))
     out.append(matrices.cast_like(x, dtype))
   return p.treedef.unflatten(out)
@@ -159,15 +131,12 @@ def stack_matrices(inner: optax.GradientTransformation, *,
 
   def init_fn(params):
     p = plan(params, dims)
-    return StackMatricesState(inner.init(stack(p, params)), starts_state(p))
+    return StackMatricesState(inner.init(stack(p, params)))
 
   def update_fn(updates, state, params=None, **extra):
     p = plan(updates, dims)
-    if len(state.starts) != len(p.starts):
-      raise ValueError(f"stack_matrices: the state holds {len(state.starts)} split offsets, "
-                       f"the updates' tree needs {len(p.starts)}: a state from another tree?")
     new, inner_state = inner.update(stack(p, updates), state.inner,
                                     None if params is None else stack(p, params), **extra)
-    return unstack(p, new, state.starts), StackMatricesState(inner_state, state.starts)
+    return unstack(p, new), StackMatricesState(inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

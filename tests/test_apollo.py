@@ -13,21 +13,16 @@ from tests.util import LR, SHAPES, run_library
 
 
 def _bases(shape, rank, interval, seed=0):
-  """The library's seeded Gaussian projections per step and slice (shared randomness)."""
-  *batch, m, n = shape
-  ms, nb = min(m, n), int(np.prod(batch)) if batch else 1
-  seeds = np.asarray(jax.random.bits(jax.random.fold_in(jax.random.PRNGKey(seed), 0),
-                                     tuple(batch), jnp.uint32)).reshape(nb)
-  per_step = {}
+  """The library's Gaussian projections at step ``t`` (1-based) of matrix ``b``: key
+  ``fold_in(fold_in(PRNGKey(seed), (t - 1) // interval), b)`` (shared randomness)."""
+  *_, m, n = shape
+  ms = min(m, n)
 
   def basis(b):
     def f(t):
-      if t not in per_step:
-        s = per_step[t - 1] if t > 1 else seeds
-        if t > 1 and (t - 1) % interval == 0:
-          s = np.asarray([rp.next_seed(jnp.uint32(x)) for x in s])
-        per_step[t] = s
-      return rp.random_basis(jnp.uint32(per_step[t][b]), ms, min(rank, ms))
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed),
+                                                  (t - 1) // interval), b)
+      return rp.random_basis(key, ms, min(rank, ms))
     return f
 
   return basis
@@ -55,31 +50,31 @@ def test_matches_dense_float64_reference(name, shape):
     assert err < 1e-4, f"{name} step {t}: {err:.2e}"
 
 
-def test_apollo_mini_state_is_2n_plus_2_per_matrix():
+def test_apollo_mini_state_is_2n_plus_1_per_matrix():
   for shape in [(16, 40), (40, 16)]:
     state = jax.eval_shape(fo.apollo_mini(LR).init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
     sub = state.inner_states["structured"].inner_state
-    is_proj = lambda x: isinstance(x, rp.RandomProjectState)  # noqa: E731
-    offsets = [x.starts for x in jax.tree.leaves(sub, is_leaf=is_proj) if is_proj(x)]
-    assert [len(o) for o in offsets] == [1]  # the draw's split offset, one per leaf
-    sub = jax.tree.map(lambda x: x._replace(starts=()) if is_proj(x) else x, sub,
-                       is_leaf=is_proj)
     counters = [x for x in jax.tree.leaves(sub) if x.dtype == jnp.int32 and x.shape == ()]
     assert len(counters) == 2  # projection and bias-correction step counters, shared
     per_matrix = fo.state_numbers(sub) - len(counters)
-    assert per_matrix == 2 * 40 + 2
+    assert per_matrix == 2 * 40 + 1  # moments and the limiter norm; no stored seed
 
 
-def test_seed_renewed_at_refresh_only():
+def test_projection_renewed_at_refresh_only_and_stateless():
   tx = fo.random_project(rank=2, interval=2)
   p = {"w": jnp.zeros((4, 6))}
   s = tx.init(p)
-  seeds = []
+  assert jax.tree.leaves(s) == [s.count]  # nothing random is stored
+  bases = []
   for _ in range(5):
-    _, s = tx.update({"w": jnp.ones((4, 6))}, s)
-    seeds.append(int(s.seed["w"]))
-  # steps 1,2 share a seed; 3,4 share a new one; 5 gets another
-  assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and len({seeds[0], seeds[2], seeds[4]}) == 3
+    out, s = tx.update({"w": jnp.ones((4, 6))}, s)
+    bases.append(np.asarray(out["w"].basis))
+  # steps 1,2 share a projection; 3,4 share a new one; 5 gets another
+  np.testing.assert_array_equal(bases[0], bases[1])
+  np.testing.assert_array_equal(bases[2], bases[3])
+  assert not np.allclose(bases[0], bases[2]) and not np.allclose(bases[2], bases[4])
+  again, _ = tx.update({"w": jnp.ones((4, 6))}, s._replace(count=jnp.int32(2)))
+  np.testing.assert_array_equal(np.asarray(again["w"].basis), bases[2])
 
 
 def test_invalid_kind():
@@ -87,42 +82,23 @@ def test_invalid_kind():
     fo.scale_by_subspace_ratio("rows")
 
 
-def test_draw_split_offsets_live_in_the_state_and_are_checked():
-  """``random_project`` splits its grouped draws at offsets the state holds (int32
-  scalars, one per leaf): updates as with the static split; edited offsets give NaN
-  projections (not another leaf's); a state from another tree is a ValueError."""
-  from fisher_optax import matrices
+def test_grouped_draws_equal_each_matrixs_own_draw():
+  """``random_project`` draws matrix ``i``'s projection from
+  ``fold_in(fold_in(PRNGKey(seed), renewal), i)``, the draws of same-shape matrices in one
+  grouped call: each basis equals ``random_basis`` of that key alone."""
+  from fisher_optax.blocks import random_projection as rpj
   params = {"a": jnp.zeros((6, 9)), "b": jnp.zeros((2, 6, 11)), "c": jnp.zeros((9, 6))}
-  tx = fo.random_project(rank=3, interval=2, dims=fo.MatrixDims())
-  s = tx.init(params)
-  assert [int(x) for x in s.starts] == [0, 1, 3]  # (6, 3) draws: a 1, b 2, c 1
+  tx = fo.random_project(rank=3, interval=2, seed=5, dims=fo.MatrixDims())
   rng = np.random.default_rng(0)
-  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
-                        params) for _ in range(3)]
-  step = tx.update  # eager: Subspace nodes carry the basis as metadata
-
-  def run(st):
-    outs = []
-    for g in grads:
-      out, st = step(g, st)
-      outs.append(out)
-    return outs
-
-  outs = run(s)
-  static = matrices.vmap_grouped
-  try:  # the static split
-    matrices.vmap_grouped = lambda fn, args, groups, starts=None: static(fn, args, groups)
-    outs2 = run(s)
-  finally:
-    matrices.vmap_grouped = static
-  for o, o2 in zip(outs, outs2):
-    for k in params:
-      np.testing.assert_array_equal(np.asarray(o[k].coeffs), np.asarray(o2[k].coeffs))
-      np.testing.assert_array_equal(np.asarray(o[k].basis), np.asarray(o2[k].basis))
-  out, _ = step(grads[0], s._replace(starts=(s.starts[0], s.starts[2], s.starts[1])))
-  assert all(bool(jnp.all(jnp.isnan(out[k].basis))) for k in params)
-  with pytest.raises(ValueError, match="split offsets"):
-    tx.update({"a": grads[0]["a"]}, tx.init({"a": params["a"]})._replace(starts=s.starts))
+  g = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+  out, _ = tx.update(g, tx.init(params)._replace(count=jnp.int32(4)))  # renewal 2
+  index = 0
+  for k in ("a", "b", "c"):
+    basis = np.asarray(out[k].basis).reshape((-1, 6, 3))
+    for i in range(basis.shape[0]):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(5), 2), index)
+      np.testing.assert_allclose(basis[i], rpj.random_basis(key, 6, 3), rtol=1e-6)
+      index += 1
 
 
 def test_rank_one_projection_equals_the_matrix_product():

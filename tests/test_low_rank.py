@@ -156,40 +156,28 @@ def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
     bad.update(g, bad.init(p), p)
 
 
-def test_split_offsets_live_in_the_state_and_are_checked():
-  """The refresh splits its grouped results at offsets the state holds (int32 scalars,
-  one per leaf, ``matrices.group_starts``): same updates as the static split; a state
-  whose offsets were edited gives NaN bases at the next refresh instead of another
-  leaf's basis; a state from a tree with another number of leaves is a ValueError."""
-  from fisher_optax import matrices
+def test_refresh_grouped_by_shape_equals_each_leaf_alone():
+  """The refresh serves same-shape matrices of several leaves in one call
+  (``matrices.map_grouped``): every leaf's basis and coefficients equal those of the
+  same block run on that leaf alone, and the state holds statistics only (no int32
+  layout arrays besides the step counter)."""
   params = {"a": jnp.zeros((6, 9)), "b": jnp.zeros((2, 6, 11)), "c": jnp.zeros((6, 9))}
   tx = fo.low_rank_track(rank=3, interval=2, b3=0.9, dims=fo.MatrixDims(),
-                         refresh=fo.switch(leading=1))
-  s = tx.init(params)
-  # leaves a, b, c: Grams 6x6 -> one group (a: 1 matrix, b: 2, c: 1)
-  assert [int(x) for x in s.starts] == [0, 1, 3]
+                         refresh=fo.svd_refresh())
   rng = np.random.default_rng(0)
   grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
                         params) for _ in range(3)]
   step = jax.jit(tx.update)
-  st = s
+  st = tx.init(params)
+  ints = [x for x in jax.tree.leaves(st) if jnp.issubdtype(x.dtype, jnp.integer)]
+  assert len(ints) == 1 and ints[0].shape == ()
   for g in grads:
     out, st = step(g, st)
-
-  static = matrices.map_grouped
-  try:  # the static split, as before the offsets were state
-    matrices.map_grouped = lambda fn, items, starts=None: static(fn, items)
-    st2 = s
-    for g in grads:
-      out2, st2 = jax.jit(tx.update)(g, st2)
-  finally:
-    matrices.map_grouped = static
   for k in params:
-    np.testing.assert_array_equal(np.asarray(st.basis[k]), np.asarray(st2.basis[k]))
-    np.testing.assert_array_equal(np.asarray(out[k].coeffs), np.asarray(out2[k].coeffs))
-
-  bad = s._replace(starts=(s.starts[0], s.starts[2], s.starts[1]))
-  _, bad = step(grads[0], bad)  # step 1 is a refresh
-  assert all(bool(jnp.all(jnp.isnan(bad.basis[k]))) for k in params)
-  with pytest.raises(ValueError, match="split offsets"):
-    tx.update({"a": grads[0]["a"]}, tx.init({"a": params["a"]})._replace(starts=s.starts))
+    alone = fo.low_rank_track(rank=3, interval=2, b3=0.9, dims=fo.MatrixDims(),
+                              refresh=fo.svd_refresh())
+    s1 = alone.init({k: params[k]})
+    for g in grads:
+      o1, s1 = jax.jit(alone.update)({k: g[k]}, s1)
+    np.testing.assert_allclose(st.basis[k], s1.basis[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[k].coeffs, o1[k].coeffs, rtol=1e-5, atol=1e-5)

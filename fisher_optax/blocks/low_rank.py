@@ -154,18 +154,12 @@ def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> ma
 
 class LowRankTrackState(NamedTuple):
   """``basis``: ``batch + (m, r)``; ``tracked``: ``batch + (r, r)`` or ``None``
-  (no tracking); ``key``: PRNG key (``None`` for deterministic policies); ``starts``:
-  per leaf, its offset in the refresh's concatenation of same-shape matrices
-  (``matrices.group_starts``) as an int32 scalar, read at run time to
-  split the refresh results (the refresh's layout, fixed by the tree; a state with other
-  values gives NaN bases at the next refresh)."""
+  (no tracking); ``key``: PRNG key (``None`` for deterministic policies)."""
   count: jax.Array
   basis: optax.Updates
   tracked: Optional[optax.Updates]
   key: Optional[jax.Array]
-  starts: tuple = ()
-  SHARDING = {"tracked": "replicated", "key": "replicated",
-              "starts": "replicated"}  # sharding.py roles
+  SHARDING = {"tracked": "replicated", "key": "replicated"}  # sharding.py roles
 
 
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
@@ -228,12 +222,8 @@ class _Tracker:
     if self.has_tracking:
       tracked = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype))
     key = jax.random.PRNGKey(self.policy.seed) if self.policy.random else None
-    qs = lv.flat(tracked) if self.has_tracking else [None] * len(lv.views)
-    shapes = jax.eval_shape(self.items, self.flat_abstract(lv), self.flat(lv.flat(basis)),
-                            self.flat(qs), key, 0)
-    starts = tuple(jnp.asarray(x, jnp.int32) for x in matrices.group_starts(shapes))
     return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked,
-                             key=key, starts=starts)
+                             key=key)
 
   def update(self, updates, state, params=None):
     del params
@@ -256,8 +246,7 @@ class _Tracker:
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
     return lv.un(out), LowRankTrackState(
         count=optax.safe_int32_increment(state.count), basis=lv.un(new_u),
-        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key,
-        starts=state.starts)
+        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key)
 
   def project(self, gc, u, q):
     """One leaf's step after the refresh: ``sigma = U^T G`` and, with tracking, paper Eq.
@@ -285,27 +274,16 @@ class _Tracker:
     flat_u, flat_q = self.flat(u_leaves), self.flat(q_leaves)
     count = state.count
     first = count == 0
-    # the split offsets of the grouped results come from the state: run-time scalars,
-    # which XLA cannot fold into the slices (a constant offset, even formed at run time
-    # from one, makes XLA:CPU compile one slice kernel per offset)
-    plan = matrices.group_starts(
-        jax.eval_shape(self.items, flat_g, flat_u, flat_q, state.key, count))
-    if len(state.starts) != len(plan):
-      raise ValueError(f"low_rank_track: the state holds {len(state.starts)} split offsets, "
-                       f"the updates' tree needs {len(plan)}: a state from another tree?")
-    intact = (jnp.all(jnp.stack(state.starts) == jnp.asarray(plan, jnp.int32))
-              if plan else True)
 
     def refresh(ops):
-      gs, us, qs, key, starts = ops
+      gs, us, qs, key = ops
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = matrices.map_grouped(fn, self.items(gs, us, qs, key, count), starts=starts)
-      outs = jax.tree.map(lambda o: jnp.where(intact, o, jnp.nan), outs)
+      outs = matrices.map_grouped(fn, self.items(gs, us, qs, key, count))
       return [o[0] for o in outs], [o[1] for o in outs]
 
     return jax.lax.cond((count % self.interval) == 0, refresh,
                         lambda ops: (ops[1], ops[2]),
-                        (flat_g, flat_u, flat_q, state.key, list(state.starts)))
+                        (flat_g, flat_u, flat_q, state.key))
 
   def flat(self, leaves):
     """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""

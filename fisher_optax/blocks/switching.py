@@ -24,10 +24,10 @@ They are plain frozen dataclasses (static configuration), not transformations:
 * :func:`svd_refresh` -- GaLore: top-``r`` left singular vectors of the current
   gradient at every refresh.
 
-Randomness: the PRNG key lives in the optimizer state (replicated); the refresh at
-step count ``c`` draws one ``(matrices, max m - r)`` array of 32-bit words, a
-counter-based hash of ``(key, c)``, and matrix ``j`` of the tree takes row ``j``
-(``refresh_noise``);
+Randomness: the PRNG key lives in the optimizer state (replicated); at the refresh at
+step count ``c`` matrix ``j`` of the tree draws its ``m - r`` words with
+``jax.random.bits`` from ``fold_in(fold_in(key, c), j)`` (``refresh_noise``,
+:mod:`fisher_optax.rng`);
 its complement columns are the first ``k`` of the argsort of its ``m - r`` words
 (:func:`complement_indices`). Every device draws the same columns.
 """
@@ -40,20 +40,16 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import hashing, linalg, matrices, validation
+from fisher_optax import linalg, matrices, rng, validation
 
 
 def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,
                   width: int) -> jax.Array:
-  """The random words of one refresh: ``(num_matrices, max(width, 1))`` uint32,
-  ``hashing.words`` of ``(key, count)``; matrix ``j`` of the tracked tree
-  (leaves in flatten order, the matrices of a stack in order) reads row ``j``, its first
-  ``m - r`` words.
-
-  One elementwise hash for the whole tree: a threefry hash (``jax.random.bits``)
-  compiled into ~12 XLA:CPU kernels of its own; drawing per leaf or per matrix made the
-  refresh's compile time grow with the number of draws."""
-  return hashing.words(key, count, (num_matrices, max(width, 1)))
+  """The random words of the refresh at step ``count``: ``(num_matrices, max(width, 1))``
+  uint32; matrix ``j`` of the tracked tree (leaves in flatten order, the matrices of a
+  stack in order) reads row ``j`` (:func:`fisher_optax.rng.words`: ``jax.random.bits`` of
+  ``fold_in(fold_in(key, count), j)``), its first ``m - r`` words."""
+  return rng.words(key, count, num_matrices, max(width, 1))
 
 
 def complement_indices(noise: jax.Array, k: int) -> jax.Array:
@@ -132,11 +128,10 @@ class Switch:
   def refresh(self, g: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
               b3, key: Optional[jax.Array]) -> jax.Array:
     """New basis from ``Q = b3 U_old Q~ U_old^T + (1 - b3) G G^T`` (one matrix); the
-    complement draw reads ``m - r`` words hashed from ``key``
-    (``hashing.words``)."""
+    complement draw reads ``m - r`` words of ``jax.random.bits(key)``."""
     m, r = u_old.shape
     noise = (None if key is None or not self.noise_size(m, r)
-             else hashing.words(key, 0, (m - r,)))
+             else jax.random.bits(key, (m - r,), jnp.uint32))
     return self.refresh_from(self.operand(g), u_old, q_old, b3, noise)
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],

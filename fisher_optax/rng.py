@@ -1,0 +1,36 @@
+"""Every random draw of the optimizers: ``jax.random`` from keys derived by ``fold_in``.
+
+A draw is named by integers -- the optimizer's seed, the refresh (or renewal) number and
+the matrix's index in the tree (leaves in flatten order, the matrices of a stack in
+order) -- and its key is ``fold_in(fold_in(PRNGKey(seed), refresh), matrix)``. Nothing
+random is stored: a state holds the step counter, and any step's draws follow from it,
+the same on every device and after a restore.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def draw_key(key: jax.Array, refresh: jax.Array, matrix: jax.Array) -> jax.Array:
+  """The key of ``matrix``'s draw at ``refresh``: ``fold_in(fold_in(key, refresh),
+  matrix)`` (``key`` a ``jax.random.PRNGKey``; integers may be traced)."""
+  return jax.random.fold_in(jax.random.fold_in(key, refresh), matrix)
+
+
+def matrix_indices(first: int, batch_shape: tuple) -> jax.Array:
+  """The tree-wide indices of one leaf's matrices: ``first, first + 1, ...`` in the
+  shape of the leaf's stack (``batch_shape``; ``()`` for a single matrix)."""
+  size = 1
+  for d in batch_shape:
+    size *= d
+  return (first + jnp.arange(size, dtype=jnp.uint32)).reshape(batch_shape)
+
+
+def words(key: jax.Array, refresh: jax.Array, num_matrices: int, width: int) -> jax.Array:
+  """``(num_matrices, width)`` uint32 words: row ``j`` is ``jax.random.bits`` of
+  :func:`draw_key` ``(key, refresh, j)``, all rows in one vmapped draw."""
+  rows = jnp.arange(num_matrices, dtype=jnp.uint32)
+  return jax.vmap(lambda j: jax.random.bits(draw_key(key, refresh, j), (width,),
+                                            jnp.uint32))(rows)

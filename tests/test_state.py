@@ -1,0 +1,62 @@
+"""Every named optimizer's state holds statistics only, in optax's shape: optax's
+``tree.map_params`` works on it, ``inject_hyperparams`` gives the same structure, and a
+state from another parameter tree fails with a ValueError naming the leaf."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import fisher_optax as fo
+from tests.util import ALL, LR, NAMED_KW
+
+PARAMS = {"w": jnp.ones((6, 10)), "stack": jnp.ones((2, 8, 5)), "b": jnp.ones((6,))}
+
+
+def _tx(name, **extra):
+  return getattr(fo, name)(LR, **NAMED_KW[name], **extra)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tree_map_params_reaches_the_param_shaped_state(name):
+  tx = _tx(name)
+  state = tx.init(PARAMS)
+  mapped = optax.tree.map_params(tx, lambda p: "P", state, transform_non_params=lambda _: "N")
+  labels = jax.tree.leaves(mapped)
+  assert set(labels) <= {"P", "N"} and len(labels) == len(jax.tree.leaves(state))
+  # the fallback's two moments of the vector "b" are parameter trees
+  assert labels.count("P") >= 2
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("weight_decay", [None, 0.1])
+def test_inject_hyperparams_keeps_the_state_structure(name, weight_decay):
+  static = tuple(getattr(getattr(fo, name), "static_args", ()))
+  plain = jax.eval_shape(_tx(name, weight_decay=weight_decay).init, PARAMS)
+  injected = jax.eval_shape(
+      optax.inject_hyperparams(getattr(fo, name), static_args=static)(
+          LR, **NAMED_KW[name], weight_decay=weight_decay).init, PARAMS)
+  assert jax.tree.structure(injected.inner_state) == jax.tree.structure(plain)
+  assert (jax.tree.map(lambda x: (x.shape, x.dtype), injected.inner_state)
+          == jax.tree.map(lambda x: (x.shape, x.dtype), plain))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_state_from_another_tree_is_a_value_error_naming_the_leaf(name):
+  tx = _tx(name)
+  state = jax.eval_shape(tx.init, PARAMS)
+  other_shape = dict(PARAMS, w=jnp.ones((6, 12)))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  if any("['w']" in p for p in paths):
+    with pytest.raises(ValueError, match=r"state leaf .*\['w'\] has shape"):
+      jax.eval_shape(tx.update, other_shape, state, other_shape)
+  else:  # a stateless rule (SWAN) on "w": any shape is its own
+    assert name == "swan"
+    jax.eval_shape(tx.update, other_shape, state, other_shape)
+  more = dict(PARAMS, v=jnp.ones((6, 10)))
+  with pytest.raises(ValueError, match=r"does not fit these updates"):
+    jax.eval_shape(tx.update, more, state, more)
+  fewer = {k: v for k, v in PARAMS.items() if k != "w"}
+  with pytest.raises(ValueError, match=r"does not fit these updates"):
+    jax.eval_shape(tx.update, fewer, state, fewer)
+  jax.eval_shape(tx.update, PARAMS, state, PARAMS)  # its own tree is fine
