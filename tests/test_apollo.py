@@ -111,3 +111,22 @@ def test_rank_one_projection_equals_the_matrix_product():
   assert got.shape == (2, 1, 5)
   np.testing.assert_allclose(got, jnp.swapaxes(u, -1, -2) @ g, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(rp._project(u[..., :1], g), got)
+
+
+def test_projections_have_the_papers_variance_and_are_independent():
+  """Entries of every projection ``U`` are N(0, 1/r) (APOLLO: ``U_ij ~ N(0, 1/r)``), and the
+  projections of different matrices and of successive renewals are uncorrelated."""
+  r, m, nb = 4, 64, 50
+  tx = fo.random_project(rank=r, interval=1, seed=3, dims=fo.MatrixDims())
+  g = {"w": jnp.ones((nb, m, 80))}
+  s = tx.init(g)
+  draws = []
+  for _ in range(2):  # interval 1: a new projection every step
+    out, s = tx.update(g, s)
+    draws.append(np.asarray(out["w"].basis, np.float64))
+  x = np.stack(draws)  # (2, nb, m, r)
+  assert abs(x.mean()) < 4 * np.sqrt(1.0 / r / x.size)
+  np.testing.assert_allclose(x.var(), 1.0 / r, rtol=0.05)  # 25,600 samples: ~1% sd
+  flat = x.reshape(2 * nb, -1)
+  corr = np.corrcoef(flat)[np.triu_indices(2 * nb, 1)]
+  assert np.abs(corr).max() < 6 / np.sqrt(flat.shape[1])  # 256 entries per projection
