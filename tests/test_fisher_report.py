@@ -83,3 +83,15 @@ def test_llama_fim_report_example(tmp_path):
   for t in (0, 2):
     assert (tmp_path / f"step_{t}.png").exists() and (tmp_path / f"step_{t}.csv").exists()
   assert "Lowest-error structure per matrix" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.example
+def test_llama_fim_report_example_with_chosen_structures(tmp_path):
+  """``--structures`` limits the report (the iterative ones dominate on wide layers)."""
+  from examples.llama import fim_report
+  reports = fim_report.main(["--preset", "tiny", "--at-steps", "0", "--samples", "3",
+                             "--structures", "diagonal,two_sided,soap", "--out", str(tmp_path)])
+  rep = reports[0]
+  assert rep.structures == ("diagonal", "two_sided", "soap")
+  assert len(rep.rows) == 3 * 29
+  assert "| step | group | diagonal | two_sided | soap |" in (tmp_path / "summary.md").read_text()
