@@ -87,7 +87,7 @@ class FisherReport:
 
   @classmethod
   def from_csv(cls, path) -> "FisherReport":
-    """The report :meth:`to_csv` wrote (errors at the 6 digits written)."""
+    """The report ``to_csv`` wrote (errors at the 6 digits written)."""
     with pathlib.Path(path).open(newline="") as f:
       recs = list(csv.DictReader(f))
     if not recs:
