@@ -23,7 +23,7 @@ that stacks its layers (``nnx.scan``). The named optimizers expose it as
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -152,10 +152,35 @@ def choose_structures(report: FisherReport,
   limit = budget if budget is not None else budget_bytes
   if not limit > 0:
     raise ValueError(f"choose_structures: the budget must be positive, got {limit}")
+  options, adam = _options(report, optimizers, params)
+  leaves = list(options)
+  if per_leaf:
+    picks = _per_leaf_picks(options, adam, budget)
+    total = sum(int(budget * adam[k]) for k in leaves)
+  else:
+    total = int(budget * sum(adam.values())) if budget is not None else int(budget_bytes)
+    need = sum(_cheapest(options[k]) for k in leaves)
+    if need > total:
+      worst = max(leaves, key=lambda k: _cheapest(options[k]))
+      raise ValueError(f"choose_structures: budget {total:,} bytes is below the cheapest "
+                       f"choice, {need:,} bytes; the largest cheapest leaf is {worst!r} at "
+                       f"{_cheapest(options[worst]):,} bytes")
+    picks = _knapsack(leaves, options, total, resolution)
+  layers = tuple(LayerChoice(k, picks[k], options[k][picks[k]][0], options[k][picks[k]][1],
+                             adam[k]) for k in leaves)
+  return StructureChoice(layers, total, options)
 
+
+def _options(report: FisherReport, optimizers: Mapping[str, optax.GradientTransformation],
+             params: Any) -> tuple[dict, dict]:
+  """``{leaf: {structure: (relative error, state bytes)}}`` for the report's leaves (the
+  mean error over a stacked leaf's matrices) and Adam's bytes per leaf."""
   errors: dict = {}
   for r in report.rows:
     if r.structure in optimizers:
+      if not math.isfinite(r.relative):
+        raise ValueError(f"choose_structures: the report's {r.structure} error of "
+                         f"{r.matrix!r} is {r.relative}; a report needs finite errors")
       errors.setdefault(_leaf_of(r.matrix), {}).setdefault(r.structure, []).append(r.relative)
   sizes = {routing.path_to_str(p): int(math.prod(np.shape(x)))
            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -164,36 +189,26 @@ def choose_structures(report: FisherReport,
     raise ValueError(f"choose_structures: report leaf {missing[0]!r} is not in params "
                      f"(params has {list(sizes)[:6]}...)")
   state = {s: _state_bytes_by_leaf(tx, params) for s, tx in optimizers.items()}
-  leaves = list(errors)
   options = {k: {s: (float(np.mean(errors[k][s])), int(state[s][k]))
-                 for s in optimizers if s in errors[k]} for k in leaves}
-  adam = {k: 8 * sizes[k] for k in leaves}
+                 for s in optimizers if s in errors[k]} for k in errors}
+  return options, {k: 8 * sizes[k] for k in errors}
 
-  def cheapest(k):
-    return min(b for _, b in options[k].values())
 
-  if per_leaf:
-    picks = {}
-    for k in leaves:
-      fits = {s: eb for s, eb in options[k].items() if eb[1] <= budget * adam[k]}
-      if not fits:
-        raise ValueError(f"choose_structures: leaf {k!r} has no structure within "
-                         f"{budget:g} x Adam's {adam[k]:,} bytes (cheapest: "
-                         f"{cheapest(k):,} bytes)")
-      picks[k] = min(fits, key=lambda s: (fits[s][0], fits[s][1]))
-    total = sum(int(budget * adam[k]) for k in leaves)
-  else:
-    total = int(budget * sum(adam.values())) if budget is not None else int(budget_bytes)
-    need = sum(cheapest(k) for k in leaves)
-    if need > total:
-      worst = max(leaves, key=cheapest)
-      raise ValueError(f"choose_structures: budget {total:,} bytes is below the cheapest "
-                       f"choice, {need:,} bytes; the largest cheapest leaf is {worst!r} at "
-                       f"{cheapest(worst):,} bytes")
-    picks = _knapsack(leaves, options, total, resolution)
-  layers = tuple(LayerChoice(k, picks[k], options[k][picks[k]][0], options[k][picks[k]][1],
-                             adam[k]) for k in leaves)
-  return StructureChoice(layers, total, options)
+def _cheapest(leaf_options: dict) -> int:
+  return min(b for _, b in leaf_options.values())
+
+
+def _per_leaf_picks(options: dict, adam: dict, budget: float) -> dict:
+  """Each leaf's lowest-error structure within ``budget`` x its own Adam bytes."""
+  picks = {}
+  for k, opts in options.items():
+    fits = {s: eb for s, eb in opts.items() if eb[1] <= budget * adam[k]}
+    if not fits:
+      raise ValueError(f"choose_structures: leaf {k!r} has no structure within "
+                       f"{budget:g} x Adam's {adam[k]:,} bytes (cheapest: "
+                       f"{_cheapest(opts):,} bytes)")
+    picks[k] = min(fits, key=lambda s: (fits[s][0], fits[s][1]))
+  return picks
 
 
 def _knapsack(leaves: list, options: dict, total: int, resolution: int) -> dict:

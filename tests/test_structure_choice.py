@@ -240,3 +240,13 @@ def test_bad_input_raises_naming_the_problem():
     tx.init({k: v for k, v in params.items() if k != "a"})
   choice_bytes = sc.choose_structures(report, opts, params, budget_bytes=10 ** 6)
   assert choice_bytes.budget_bytes == 10 ** 6
+
+
+def test_a_non_finite_report_error_is_a_value_error_naming_the_matrix():
+  report = _report()
+  rows = list(report.rows)
+  rows[1] = fr.ReportRow(rows[1].matrix, rows[1].m, rows[1].n, rows[1].structure,
+                         float("nan"), 0)
+  bad = fr.FisherReport(tuple(rows), report.samples, report.structures)
+  with pytest.raises(ValueError, match="error of 'a' is nan"):
+    sc.choose_structures(bad, _optimizers(), _params(), budget=1.0)
