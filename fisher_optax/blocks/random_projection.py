@@ -25,22 +25,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, rng, validation
+from fisher_optax import linalg, matrices, rng, validation
 from fisher_optax.blocks import low_rank
 
 
 def random_basis(key: jax.Array, m: int, r: int) -> jax.Array:
   """The ``m x r`` Gaussian projection ``N(0, 1/r)`` of one matrix for a PRNG key."""
   return jax.random.normal(key, (m, r), jnp.float32) / jnp.sqrt(jnp.float32(r))
-
-
-def _project(basis: jax.Array, g: jax.Array) -> jax.Array:
-  """``sigma = U^T G``. For ``r = 1`` (APOLLO-mini) as multiply-reduce: XLA:CPU compiles
-  each ``1 x m`` by ``m x n`` dot into an LLVM kernel of its own, one per matrix (84 for
-  the 130M LLaMA), where identical reduce fusions are compiled once."""
-  if basis.shape[-1] == 1:
-    return jnp.sum(basis * g, axis=-2, keepdims=True)
-  return jnp.swapaxes(basis, -1, -2) @ g
 
 
 class RandomProjectState(NamedTuple):
@@ -82,7 +73,7 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     bases = matrices.vmap_grouped(
         lambda mr: lambda i: random_basis(rng.draw_key(key, renewal, i), *mr), indices, shapes)
     nodes = []
-    project = matrices.shared(_project)
+    project = matrices.shared(linalg.project_rows)
     for g, gc, basis, view in zip(lv.leaves, lv.gcs, bases, lv.views):
       sigma = project(basis, gc)
       nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,

@@ -112,8 +112,8 @@ class Switch:
     scalar ``first`` is true (step 1), else :meth:`refresh_from`. One ``lax.cond`` per
     matrix, so the two refreshes share everything around them in one compiled branch
     (operands, grouping, the non-finite guard, the re-expression of ``Q~``), and the
-    canonical sign fix that ends both runs once, after the cond; XLA:CPU compiles each
-    of those into kernels of their own per branch."""
+    canonical sign fix that ends both runs once, after the cond: the compiled program
+    holds each of them once, not once per branch."""
     m, r = u_old.shape
     after = c.shape[0] == c.shape[1] or r <= c.shape[1]  # see first_from(signs=False)
     u = jax.lax.cond(first, lambda: self.first_from(c, r, signs=not after),
@@ -163,8 +163,7 @@ class Switch:
       if k_c == 0:
         return fix(ritz)
       comp = linalg.complement_columns(u1, complement_indices(noise[:m - r], k_c))
-      # the last k_c Ritz columns replaced in place (a slice + concatenation compiled
-      # into two XLA:CPU kernels)
+      # the last k_c Ritz columns replaced in place
       return fix(jax.lax.dynamic_update_slice(ritz, comp, (0, r - k_c)))
     # traced ``leading`` (optax.inject_hyperparams): draw the largest possible number of
     # complement columns and keep the first ``k_c`` -- the same indices as above, since

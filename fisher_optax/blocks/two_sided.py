@@ -26,8 +26,7 @@ Numerics (design decisions; docs: "Numerics policy"):
     to skip such steps.
 
 Cost: ``2 * iters`` matrix-vector products over ``P`` plus a few elementwise passes,
-no decomposition; written as multiply-reduce (compile time; see the loop body). On the
-130M preset's shapes the whole RACS update takes ~1.2x Adam's time (``benchmarks/step_time.py``).
+no decomposition (measured step times: the documentation's performance page).
 
 State per matrix: ``m + n`` numbers (the limiter's scalar is in
 :func:`fisher_optax.norm_growth_limiter`).
@@ -66,13 +65,8 @@ def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Arra
   s = jnp.zeros((g.shape[1],), jnp.float32)
   def body(_, sq):
     s, q = sq
-    # The products ``q^T P`` and ``P s`` as broadcast-multiply-reduce, not ``@``:
-    # XLA:CPU compiles every ``dot`` instruction into its own LLVM module (~40 ms each,
-    # two per matrix per loop body), while identical reduce fusions of same-shape
-    # matrices are compiled once (48 matrices of 768 x 768: 5.0 s -> 2.7 s of compile);
-    # the step time is unchanged at the 130M preset (benchmarks/step_time.py).
-    s = jnp.sum(q[:, None] * p, axis=0) / jnp.maximum(jnp.sum(q * q), tiny)
-    q = jnp.sum(p * s[None, :], axis=1) / jnp.maximum(jnp.sum(s * s), tiny)
+    s = linalg.vec_mat(q, p) / jnp.maximum(jnp.sum(q * q), tiny)
+    q = linalg.mat_vec(p, s) / jnp.maximum(jnp.sum(s * s), tiny)
     return s, q
 
   # A loop, not unrolled: the same arithmetic (updates bitwise equal), but one loop body
@@ -125,7 +119,6 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
     q_t = beta * q + (1 - beta) * q_new
     # s_t, q_t >= 0 and max propagates NaN, so the maxima alone tell whether both are
     # finite; reusing them for the floors saves four small reductions per matrix
-    # (XLA:CPU compiles each as two kernels)
     s_max, q_max = jnp.max(s_t), jnp.max(q_t)
     ok = jnp.isfinite(s_max) & jnp.isfinite(q_max)
     s_t, q_t = jnp.where(ok, s_t, s), jnp.where(ok, q_t, q)
