@@ -2,9 +2,9 @@
 next to Alice's and SOAP's, the pieces it adds to the blocks, and its argument checks.
 
 The dense float64 re-derivation across refreshes with switching on both sides runs in
-tests/test_optimizers.py (``CONFIGS["alice_soap"]``, reference ``AliceSoapRef``), and the
-shared registry (tests/util.py) runs routing, sharding, orbax, inject_hyperparams,
-MultiSteps and the robustness checks for it.
+tests/test_optimizers.py (its ``reference`` settings in tests/registry.py, reference
+``AliceSoapRef``), and the cross-cutting tests that read the registry run routing,
+sharding, orbax, inject_hyperparams, MultiSteps and the robustness checks for it.
 """
 
 import jax

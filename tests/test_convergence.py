@@ -149,6 +149,7 @@ def test_verdict_uses_seed_spread():
   assert curves.verdict(float("inf"), 0.0, 3.1, 0.01).startswith("loses")
 
 
+@pytest.mark.example
 def test_real_minimal_run_and_divergence(tmp_path):
   """Two real trainings of the tiny LLaMA (4 steps): one finishes, one diverges."""
   pytest.importorskip("flax")

@@ -9,10 +9,10 @@ import pytest
 
 import fisher_optax as fo
 from fisher_optax import optimizers
-from tests.util import ALL
+from tests.registry import NAMES
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", NAMES)
 def test_every_argument_is_documented(name):
   fn = getattr(fo, name)
   doc = inspect.getdoc(fn)
@@ -27,7 +27,7 @@ def test_examples_run():
   finder = doctest.DocTestFinder()
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
   tests = [t for t in finder.find(optimizers) if t.examples]
-  assert {t.name.rsplit(".", 1)[-1] for t in tests} >= set(ALL)
+  assert {t.name.rsplit(".", 1)[-1] for t in tests} >= set(NAMES)
   for t in tests:
     runner.run(t)
   assert runner.summarize(verbose=False).failed == 0

@@ -1,4 +1,5 @@
-"""A small Flax NNX model trains with every named optimizer (loss drops)."""
+"""A small Flax NNX model trains with every named optimizer (loss drops), at the
+learning rates and settings of ``tests/registry.py``."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import pytest
 from flax import nnx
 
 import fisher_optax as fo
+from tests import registry
 
 
 class MLP(nnx.Module):
@@ -28,25 +30,16 @@ def _data():
   return jnp.asarray(x), jnp.asarray(y)
 
 
-OPTS = {
-    "adam": lambda: optax.adam(3e-3),
-    "racs": lambda: fo.racs(0.02, alpha=0.5, mask=fo.path_mask(exclude=["embed"])),
-    "alice": lambda: fo.alice(0.02, rank=8, leading=3, interval=10),
-    "alice0": lambda: fo.alice0(0.02, rank=8, leading=3, interval=10),
-    "galore": lambda: fo.galore(0.02, rank=8, interval=10, scale=1.0),
-    "fira": lambda: fo.fira(0.02, rank=8, interval=10, scale=1.0),
-    "apollo": lambda: fo.apollo(0.02, rank=8, interval=10),
-    "apollo_mini": lambda: fo.apollo_mini(0.02, interval=10),
-    "eigen_adam": lambda: fo.eigen_adam(3e-3, interval=10),
-    "soap": lambda: fo.soap(1e-2),
-    "shampoo": lambda: fo.shampoo(0.1, eps=1e-4, interval=5),  # AdaGrad-like: larger lr
-}
+def _optimizer(name):
+  if name == "adam":
+    return optax.adam(3e-3)
+  return getattr(fo, name)(**registry.CASES[name].train)
 
 
-@pytest.mark.parametrize("name", list(OPTS))
+@pytest.mark.parametrize("name", ["adam"] + registry.params())
 def test_small_flax_model_loss_drops(name):
   model = MLP(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, OPTS[name](), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, _optimizer(name), wrt=nnx.Param)
   x, y = _data()
 
   @nnx.jit

@@ -21,6 +21,7 @@ def _args(out, cache, *extra):
                            "--cache-dir", cache, "--out", str(out), "--no-progress", *extra])
 
 
+@pytest.mark.example
 def test_split_holds_out_whole_plays_and_tokenizer_round_trips(cache):
   train_docs, eval_docs = data.split_documents("shakespeare")
   assert set(eval_docs) == set(data.EVAL_PLAYS)

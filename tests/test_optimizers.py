@@ -7,28 +7,34 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from tests.conftest import structured_grads
-from tests.util import (ALL, CONFIGS, LR, NAMED_KW, SHAPES, STACK, TREE, all_named,
-                        check_tree_against_references, grads_at, run_library, run_opt,
-                        run_reference, small_params)
+from tests import registry
+from tests.registry import LR, STACK
+from tests.util import (SHAPES, TREE, check_tree_against_references, grads_at, run_library,
+                        run_opt, run_reference, small_params, structured_grads)
+
+# the dense references outside the rotation family (rotation: tests/test_rotate.py)
+REFERENCED = [n for n, kw in registry.WITH_REFERENCE.items()
+              if registry.CASES[n].family != "rotation"]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", REFERENCED)
 def test_matches_dense_float64_reference(name, shape):
   """7 steps, interval 3: refreshes at t = 1, 4, 7; m < n, m > n and a stack."""
   grads = structured_grads(shape, 7, seed=1)
-  lib = run_library(name, shape, grads, **CONFIGS[name]["lib"])
-  ref = run_reference(name, shape, grads, **CONFIGS[name]["ref"])
+  kw = registry.WITH_REFERENCE[name]
+  lib = run_library(name, shape, grads, **kw)
+  ref = run_reference(name, shape, grads, **kw)
   for t, (a, b) in enumerate(zip(lib, ref), start=1):
     err = np.linalg.norm(a - b) / np.linalg.norm(b)
     assert err < 1e-4, f"{name} step {t}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", REFERENCED)
 def test_tree_of_same_shape_leaves_matches_dense_references(name):
   """7 steps, refreshes at t = 1, 4, 7, on a tree whose same-shape matrices are stacked."""
-  check_tree_against_references(name, TREE, CONFIGS[name]["lib"], CONFIGS[name]["ref"], 7, 1e-4)
+  kw = registry.WITH_REFERENCE[name]
+  check_tree_against_references(name, TREE, kw, kw, 7, 1e-4)
 
 
 # ----------------------------------------------------------- optax.contrib.galore
@@ -67,15 +73,14 @@ def test_galore_projects_smaller_side_unlike_optax_contrib():
 # ------------------------------------------------------------------ state sizes
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "alice0", "alice_soap", "galore", "fira",
-                                  "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo"])
+# the registry's optimizers for which the paper gives a state-size formula (not the
+# whitening family)
+@pytest.mark.parametrize("name", [n for n in registry.NAMES
+                                  if registry.CASES[n].family != "whitening"])
 @pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 16, 40)], ids=str)
 def test_state_sizes_equal_paper_formulas(name, shape):
   rank = 5
-  kw = (dict(rank=rank) if name in ("alice", "alice0", "alice_soap", "galore", "fira", "apollo")
-        else {})
-  if name.startswith("alice"):
-    kw["leading"] = 2
+  kw = {k: v for k, v in dict(rank=rank, leading=2).items() if k in registry.CASES[name].kwargs}
   opt = getattr(fo, name)(LR, dims=STACK, **kw)
   state = jax.eval_shape(opt.init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
   formula, extra = fo.paper_state_numbers(name, shape[-2], shape[-1], rank)
@@ -94,9 +99,9 @@ def test_state_sizes_equal_paper_formulas(name, shape):
 # -------------------------------------------------------------- optax integration
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params())
 def test_compiles_once_and_not_again_at_refresh(name):
-  opt = all_named()[name]
+  opt = registry.make(name)
   params = small_params()
   traces = []
 
@@ -112,10 +117,10 @@ def test_compiles_once_and_not_again_at_refresh(name):
   assert len(traces) == 1
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params(default=["racs", "alice", "apollo", "soap"]))
 def test_chain_inject_hyperparams_multisteps_and_schedules(name):
   params = small_params()
-  kw = NAMED_KW[name]
+  kw = registry.kwargs(name)
   factory = getattr(fo, name)
   sched = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10, LR * 0.1)
   variants = [
@@ -138,12 +143,12 @@ def test_chain_inject_hyperparams_multisteps_and_schedules(name):
   np.testing.assert_allclose(np.asarray(u2["w"]), 2 * np.asarray(u1["w"]), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params())
 def test_extra_args_and_state_stable_under_lax_cond(name):
   """As optax contrib's common tests: ``update`` accepts extra keyword arguments (e.g. the
   loss ``value``), and its new state has the structure, shapes and dtypes of the old, so
   ``lax.cond`` can choose between them (as ``optax.MultiSteps`` and skip-step logic do)."""
-  opt = all_named()[name]
+  opt = registry.make(name)
   params = small_params()
   state = opt.init(params)
 
@@ -163,10 +168,10 @@ def test_extra_args_and_state_stable_under_lax_cond(name):
     state = new
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params())
 def test_bf16_params_get_bf16_updates(name):
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), small_params())
-  opt = all_named()[name]
+  opt = registry.make(name)
   s = opt.init(params)
   for t in range(3):
     u, s = jax.jit(opt.update)(grads_at(params, t), s, params)
@@ -269,7 +274,7 @@ def test_ablation_rows_run_and_last_row_is_alice():
     assert not np.allclose(a, b)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params())
 def test_decoupled_weight_decay_on_the_structured_leaves(name):
   """``weight_decay=wd`` adds ``-lr * wd * W`` to every matrix leaf's update (optax.adamw's
   decoupled form), and leaves the fallback alone: one step each, three (with a refresh)
@@ -278,13 +283,14 @@ def test_decoupled_weight_decay_on_the_structured_leaves(name):
   key = jax.random.PRNGKey(3)
   params = {"w": jax.random.normal(key, (6, 10)), "stack": jax.random.normal(key, (2, 8, 5)),
             "b": jnp.ones((6,))}
-  plain = getattr(fo, name)(LR, **NAMED_KW[name])
-  decayed = getattr(fo, name)(LR, weight_decay=wd, **NAMED_KW[name])
+  plain = registry.make(name)
+  decayed = registry.make(name, weight_decay=wd)
   s0, s1 = plain.init(params), decayed.init(params)
+  plain_step, decayed_step = jax.jit(plain.update), jax.jit(decayed.update)
   for t in range(3 if name == "alice" else 1):
     g = grads_at(params, t)
-    u0, s0 = plain.update(g, s0, params)
-    u1, s1 = decayed.update(g, s1, params)
+    u0, s0 = plain_step(g, s0, params)
+    u1, s1 = decayed_step(g, s1, params)
     for k in ("w", "stack"):
       np.testing.assert_allclose(np.asarray(u1[k] - u0[k]), -LR * wd * np.asarray(params[k]),
                                  rtol=1e-4, atol=1e-6)

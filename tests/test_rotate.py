@@ -7,15 +7,13 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from tests.conftest import structured_grads
-from tests.util import (LR, SHAPES, TREE, check_tree_against_references,
-                        run_library, run_reference)
+from tests import registry
+from tests.registry import LR
+from tests.util import (SHAPES, TREE, check_tree_against_references, run_library,
+                        run_reference, structured_grads)
 
-CONFIGS = {
-    "eigen_adam": dict(interval=3),
-    "soap": dict(precondition_frequency=3),
-    "shampoo": dict(interval=3, eps=0.1),  # eps well above float32 resolution of L, R
-}
+CONFIGS = {n: kw for n, kw in registry.WITH_REFERENCE.items()
+           if registry.CASES[n].family == "rotation"}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
-from tests.util import NAMED_KW
+from tests import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
@@ -78,13 +78,18 @@ def _apply(tx, p, s, g):
 
 
 def _kw(name):
-  """SOAP's step-1 basis of a singular statistic (G^T G of a non-square G) is arbitrary in
-  its null space, so its last bits -- and with them the update -- depend on the reduction
-  order; with ``max_precond_dim=16`` every rotated side here is full-rank."""
-  return dict(NAMED_KW[name], **({"max_precond_dim": 16} if name == "soap" else {}))
+  """A rotation basis of a singular statistic is arbitrary in its null space, so its last
+  bits -- and with them the update -- depend on the reduction order: every rotated side
+  here is full-rank."""
+  return registry.kwargs(name, full_rank_bases=True)
 
 
-@pytest.mark.parametrize("name", list(NAMED_KW))
+# the rest of the registry, alice_soap included (its blocks are Alice's and SOAP's), with
+# ``-m slow``
+_SHARDED = ["racs", "alice", "galore", "apollo", "soap", "swan"]
+
+
+@pytest.mark.parametrize("name", registry.params(default=_SHARDED))
 def test_sharded_equals_single_device(name):
   """5 steps (refreshes at 1, 3, 5) on a data x fsdp x tensor = 2 x 2 x 2 mesh."""
   tx = getattr(fo, name)(0.01, **_kw(name))
@@ -94,7 +99,7 @@ def test_sharded_equals_single_device(name):
   assert sharded["w"].sharding.spec == SPECS["w"]
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "galore"])
+@pytest.mark.parametrize("name", registry.params(default=["racs", "alice", "galore"]))
 def test_make_mesh_with_auto_axes_under_set_mesh(name):
   """``jax.make_mesh`` with ``Auto`` axis types, set as the context mesh (no
   ``auto_axes`` region is entered): same updates as one device."""
@@ -108,14 +113,7 @@ def test_make_mesh_with_auto_axes_under_set_mesh(name):
   assert sharded["w"].sharding.spec == SPECS["w"]
 
 
-# One optimizer per family of blocks by default (two-sided scaling, low-rank tracking with
-# switching and compensation, nested low-rank, GaLore's projection, random projection,
-# rotation, whitening); the others share those blocks and run with ``-m slow``.
-_EXPLICIT_DEFAULT = ("racs", "alice", "alice_soap", "galore", "apollo", "soap", "swan")
-
-
-@pytest.mark.parametrize("name", [n if n in _EXPLICIT_DEFAULT else
-                                  pytest.param(n, marks=pytest.mark.slow) for n in NAMED_KW])
+@pytest.mark.parametrize("name", registry.params(default=_SHARDED))
 def test_make_mesh_with_explicit_axes_under_set_mesh(name):
   """``jax.make_mesh``'s default ``Explicit`` axes, set as the context mesh: the structured
   rule runs on ``Auto`` axes (``fo.with_auto_axes``), same updates as one device, and
@@ -185,9 +183,9 @@ def _per_device_bytes(state):
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("name", ["alice", "racs", "galore", "soap"])
+@pytest.mark.parametrize("name", registry.params(default=["alice", "racs", "galore", "soap"]))
 def test_per_device_state_bytes_fall_with_mesh_size(name):
-  tx = getattr(fo, name)(0.01, **NAMED_KW[name])
+  tx = registry.make(name)
   _, one = _run(tx, 1)
   _, eight = _run(tx, 1, mesh=_mesh())
   assert _per_device_bytes(eight) < 0.75 * _per_device_bytes(one)
@@ -206,10 +204,12 @@ def _restore(path, params_like, state_like):
   return got["params"], got["state"]
 
 
-@pytest.mark.parametrize("name", ["alice", "soap"])
+@pytest.mark.parametrize("name", registry.params(default=["alice"]))
 def test_orbax_resume_mid_interval_same_and_other_mesh(tmp_path, name):
   kw = _kw(name)
-  kw.update(interval=4) if "interval" in kw else kw.update(precondition_frequency=4)
+  for every in ("interval", "precondition_frequency"):  # a refresh at steps 1 and 5
+    if every in kw:
+      kw[every] = 4
   tx = getattr(fo, name)(0.01, **kw)
   mesh = _mesh()
   p2, s2 = _run(tx, 2, mesh=mesh)               # stop in the middle of a refresh interval
@@ -270,9 +270,9 @@ def test_two_process_llama_matches_single_process(tmp_path):
       assert abs(float(a[col]) - float(b[col])) < 1e-4, (col, a, b)
 
 
-@pytest.mark.parametrize("name", list(NAMED_KW))
+@pytest.mark.parametrize("name", registry.NAMES)
 def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
-  tx = getattr(fo, name)(0.01, **NAMED_KW[name])
+  tx = registry.make(name)
   params, state = _run(tx, 2)
   _save(tmp_path / "ck", params, state)
   rp, rs = _restore(tmp_path / "ck", params, state)
@@ -281,7 +281,7 @@ def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
   assert jax.tree.structure(rs) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("name", list(NAMED_KW))
+@pytest.mark.parametrize("name", registry.params())
 def test_no_host_transfers_inside_the_step(name):
   """A compiled step (refresh included) makes no device<->host transfer."""
   tx = getattr(fo, name)(0.01, **_kw(name))
@@ -321,6 +321,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a fresh process that runs the refresh many times (~30 s)
 def test_refreshes_of_same_shape_matrices_do_not_deadlock_on_two_host_devices():
   """Regression: batched LAPACK eigh inside a conditional deadlocked XLA:CPU with >= 2 host
   devices (jax 0.10, 2 cores; the stacked refresh hung in ~60% of runs). Refreshes now

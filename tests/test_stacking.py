@@ -10,7 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from fisher_optax import stacking
-from tests.util import NAMED_KW, grads_at
+from tests import registry
+from tests.util import grads_at
 
 # three "layers" of a query kernel, an attention output kernel (heads, head_dim, out) of
 # the same matrix size (another group), a bfloat16 kernel; a stack (2, 8, 5) routed as
@@ -34,12 +35,6 @@ def _dims(params):
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-# methods without random draws; Alice-type methods draw complement directions only when
-# leading < rank, so leading = rank makes them deterministic
-DETERMINISTIC = {name: kw for name, kw in NAMED_KW.items()
-                 if name not in ("apollo", "apollo_mini")}
-for _name in ("alice", "alice0", "alice_soap"):
-  DETERMINISTIC[_name] = dict(DETERMINISTIC[_name], leading=DETERMINISTIC[_name]["rank"])
 
 
 def _build(name, kw, stack, params, **extra):
@@ -58,12 +53,16 @@ def _run(tx, params, steps=5):
   return outs, state
 
 
-@pytest.mark.parametrize("name", list(DETERMINISTIC))
+@pytest.mark.parametrize("name", registry.params(
+    [n for n in registry.NAMES if n not in registry.RANDOM],
+    default=["racs", "alice", "galore", "soap"]))
 def test_stacked_updates_equal_per_leaf_updates(name):
-  """5 steps (refreshes at 1, 3, 5), weight decay on, mixed float32/bfloat16 leaves."""
+  """5 steps (refreshes at 1, 3, 5), weight decay on, mixed float32/bfloat16 leaves; the
+  optimizers without random draws (or with their draws switched off)."""
   params = _params()
-  per_leaf, _ = _run(_build(name, DETERMINISTIC[name], False, params), params)
-  stacked, _ = _run(_build(name, DETERMINISTIC[name], True, params), params)
+  kw = registry.kwargs(name, draw_free=True)
+  per_leaf, _ = _run(_build(name, kw, False, params), params)
+  stacked, _ = _run(_build(name, kw, True, params), params)
   for t, (a, b) in enumerate(zip(per_leaf, stacked)):
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
       assert x.dtype == y.dtype and x.shape == y.shape
@@ -85,13 +84,15 @@ def test_state_is_one_array_per_parameter_of_a_layer():
   assert s["stack 8x5"].shape == (2, 5)
 
 
-@pytest.mark.parametrize("name", ["apollo", "apollo_mini", "alice"])
+@pytest.mark.parametrize("name", registry.params(
+    [n for n in registry.NAMES if registry.CASES[n].draws],
+    default=["alice", "apollo", "apollo_mini"]))
 def test_methods_with_random_draws_run_stacked(name):
   """Their draws differ from the per-leaf run's (keys follow the stacked layout): the
   updates are finite, in each leaf's shape and dtype, and as large as the per-leaf
   ones to within the spread of the draws."""
   params = _params()
-  kw = NAMED_KW[name]
+  kw = registry.kwargs(name)
   per_leaf, _ = _run(_build(name, kw, False, params), params, steps=3)
   stacked, _ = _run(_build(name, kw, True, params), params, steps=3)
   for a, b in zip(jax.tree.leaves(per_leaf[-1]), jax.tree.leaves(stacked[-1])):

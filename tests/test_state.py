@@ -8,13 +8,15 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from tests.util import ALL, LR, NAMED_KW
+from tests import registry
+
+ALL = registry.NAMES
 
 PARAMS = {"w": jnp.ones((6, 10)), "stack": jnp.ones((2, 8, 5)), "b": jnp.ones((6,))}
 
 
 def _tx(name, **extra):
-  return getattr(fo, name)(LR, **NAMED_KW[name], **extra)
+  return registry.make(name, **extra)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -35,7 +37,7 @@ def test_inject_hyperparams_keeps_the_state_structure(name, weight_decay):
   plain = jax.eval_shape(_tx(name, weight_decay=weight_decay).init, PARAMS)
   injected = jax.eval_shape(
       optax.inject_hyperparams(getattr(fo, name), static_args=static)(
-          LR, **NAMED_KW[name], weight_decay=weight_decay).init, PARAMS)
+          registry.LR, **registry.kwargs(name), weight_decay=weight_decay).init, PARAMS)
   assert jax.tree.structure(injected.inner_state) == jax.tree.structure(plain)
   assert (jax.tree.map(lambda x: (x.shape, x.dtype), injected.inner_state)
           == jax.tree.map(lambda x: (x.shape, x.dtype), plain))

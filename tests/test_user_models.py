@@ -17,7 +17,9 @@ import pytest
 from flax import nnx
 
 import fisher_optax as fo
-from tests.util import ALL, NAMED_KW
+from tests import registry
+
+ALL = registry.NAMES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,14 +60,14 @@ def _static_in_docstring(fn):
 # -------------------------------------------------------- 1. inject_hyperparams + dims
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", registry.params(default=["racs", "alice_soap", "apollo"]))
 def test_plain_inject_hyperparams_with_flax_dims_and_path_mask(name):
   """``optax.inject_hyperparams(fo.X, static_args=<the docstring's>)(..., dims=
   fo.flax_dims(model), mask=fo.path_mask(...))`` gives the same updates as ``fo.X``."""
   model = _model()
   params = nnx.state(model, nnx.Param)
   fn = getattr(fo, name)
-  kw = {k: v for k, v in NAMED_KW[name].items() if k != "dims"}
+  kw = registry.kwargs(name, dims=None)
   kw.update(dims=fo.flax_dims(model), mask=fo.path_mask(exclude=["out"]))
   # decays exact in float32, so that a traced decay and a Python one round alike (SOAP's
   # and Eigen-Adam's first rotated steps amplify a one-ulp difference in 1 - b)

@@ -1,5 +1,6 @@
-"""Shared test utilities: the registry of optimizers under test and dense-reference
-runners (one place, as optax contrib's ``_common_test.py``)."""
+"""Shared test utilities: gradients with a known structure, and runners that compare the
+library's optimizers with their dense float64 references (``tests/reference.py``). The
+optimizers under test and their settings are in ``tests/registry.py``."""
 
 import jax
 import jax.numpy as jnp
@@ -8,22 +9,32 @@ import numpy as np
 import fisher_optax as fo
 from fisher_optax.blocks import switching
 from tests import reference
-from tests.conftest import structured_grads
+from tests.registry import LR, STACK
 
-LR = 0.01
+
+def structured_grads(shape, steps, seed=0, noise=0.3):
+  """Gradients with a stable, well-separated singular spectrum plus noise (numpy, float64).
+
+  ``shape`` may carry leading batch axes; each matrix slice gets its own structure.
+  """
+  rng = np.random.default_rng(seed)
+  *batch, m, n = shape
+  k = min(m, n)
+  nb = int(np.prod(batch)) if batch else 1
+  base = []
+  for _ in range(nb):
+    u, _ = np.linalg.qr(rng.standard_normal((m, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((n, k)))
+    s = 4.0 * 0.6 ** np.arange(k)
+    base.append(u @ np.diag(s) @ v.T)
+  base = np.stack(base).reshape(tuple(batch) + (m, n))
+  out = []
+  for _ in range(steps):
+    out.append(base + noise * rng.standard_normal(base.shape))
+  return out
+
+
 SHAPES = [(6, 10), (10, 6), (3, 6, 10)]
-
-CONFIGS = {
-    "racs": dict(lib=dict(), ref=dict()),
-    "alice": dict(lib=dict(rank=3, leading=1, interval=3),
-                  ref=dict(rank=3, leading=1, interval=3)),
-    "alice0": dict(lib=dict(rank=3, leading=1, interval=3),
-                   ref=dict(rank=3, leading=1, interval=3)),
-    "alice_soap": dict(lib=dict(rank=3, leading=1, interval=3, right_rank=2),
-                       ref=dict(rank=3, leading=1, interval=3, right_rank=2)),
-    "galore": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
-    "fira": dict(lib=dict(rank=3, interval=3), ref=dict(rank=3, interval=3)),
-}
 
 
 def _picker(index, total, seed=0):
@@ -36,11 +47,6 @@ def _picker(index, total, seed=0):
     return np.asarray(switching.complement_indices(words[index, :num_complement], k))
 
   return pick
-
-
-# Leaves with more than two dims are routed only when ``dims`` says how: here, as optax's
-# scanned layers, every axis but the last two is a stack of independent matrices.
-STACK = fo.MatrixDims()
 
 
 def run_library(name, shape, grads, **kw):
@@ -109,29 +115,6 @@ def run_opt(opt, grads, shape):
     u, state = update({"w": jnp.asarray(g, jnp.float32)}, state, params)
     outs.append(np.asarray(u["w"], np.float64))
   return outs
-
-
-_NAMED_KW = {
-    "racs": {},
-    "alice": dict(rank=3, leading=1, interval=2),
-    "alice0": dict(rank=3, leading=1, interval=2),
-    "alice_soap": dict(rank=3, leading=1, interval=2),
-    "galore": dict(rank=3, interval=2),
-    "fira": dict(rank=3, interval=2),
-    "eigen_adam": dict(interval=2),
-    "soap": dict(precondition_frequency=2),
-    "shampoo": dict(interval=2),
-    "apollo": dict(rank=3, interval=2),
-    "apollo_mini": dict(interval=2),
-    "swan": {},
-    "muon": {},
-}
-NAMED_KW = {k: dict(kw, dims=STACK) for k, kw in _NAMED_KW.items()}
-ALL = list(NAMED_KW)
-
-
-def all_named():
-  return {name: getattr(fo, name)(LR, **kw) for name, kw in NAMED_KW.items()}
 
 
 def small_params():
