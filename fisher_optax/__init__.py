@@ -12,8 +12,8 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  on_coefficients, project_back, RotateSideState, RotateState, rotate, scale_by_bias_correction,
                                  scale_by_moments, scale_by_two_sided, svd_refresh, switch)
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
-from fisher_optax.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.optimizers import (alice, alice0, alice_soap, apollo, apollo_mini,
+from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
+from fisher_optax.alias import (alice, alice0, alice_soap, apollo, apollo_mini,
                                      default_leading, eigen_adam, fira, galore,
                                      inject_hyperparams, muon, racs, shampoo, soap, swan)
 from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,
@@ -21,10 +21,10 @@ from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momen
 from fisher_optax.matrices import DimsRule
 from fisher_optax.routing import (NOT_A_MATRIX, MatrixDims, PathMask, default_mask,
                                   in_float32, path_mask)
-from fisher_optax.describe import Description, describe
+from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.flax_dims import FlaxDims, flax_dims
-from fisher_optax.sharding import state_partition_specs, state_shardings
-from fisher_optax.explicit_axes import with_auto_axes
+from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
+from fisher_optax.parallel.explicit_axes import with_auto_axes
 
 
 __all__ = [

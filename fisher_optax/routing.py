@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import explicit_axes
 from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims,  # noqa: F401
                                    MatrixView, NotAMatrix, cast_like, is_matrix_shape,
                                    matrix_view, resolve_dims, views_like, vmap_batch)
@@ -278,16 +277,16 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   """Structured rule on the leaves selected by ``mask``, ``fallback`` on the rest.
 
   Built on ``optax.partition``; the label of a leaf is ``"structured"`` or
-  ``"fallback"``. The structured rule runs with a context mesh's ``Explicit`` axes as
-  ``Auto`` (:func:`fisher_optax.explicit_axes.with_auto_axes`).
+  ``"fallback"``. The named optimizers pass a structured rule already wrapped in
+  :func:`fisher_optax.with_auto_axes`, so that it runs on ``Auto`` axes under a context
+  mesh with ``Explicit`` axes.
   """
 
   def labels(params):
     sel = resolve_mask(mask, params, dims)
     return jax.tree.map(lambda s: "structured" if s else "fallback", sel)
 
-  tx = optax.partition({"structured": explicit_axes.with_auto_axes(structured),
-                        "fallback": fallback}, labels)
+  tx = optax.partition({"structured": structured, "fallback": fallback}, labels)
 
   def init(params):
     state = tx.init(params)

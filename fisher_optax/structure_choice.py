@@ -39,7 +39,8 @@ import jax
 import numpy as np
 import optax
 
-from fisher_optax import memory, routing
+from fisher_optax import routing
+from fisher_optax.inspect import memory
 from fisher_optax.fisher_report import FisherReport
 
 FALLBACK = "fallback"

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import optimizers
+from fisher_optax import alias as optimizers
 from tests.registry import NAMES
 
 

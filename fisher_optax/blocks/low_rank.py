@@ -159,7 +159,7 @@ class LowRankTrackState(NamedTuple):
   basis: optax.Updates
   tracked: Optional[optax.Updates]
   key: Optional[jax.Array]
-  SHARDING = {"tracked": "replicated", "key": "replicated"}  # sharding.py roles
+  SHARDING = {"tracked": "replicated", "key": "replicated"}  # roles for parallel/sharding.py
 
 
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,

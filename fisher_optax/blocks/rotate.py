@@ -80,7 +80,7 @@ class RotateState(NamedTuple):
   left: RotateSideState
   right: RotateSideState
   inner_state: optax.OptState
-  # sharding.py roles: a side's arrays follow that side's parameter axis
+  # roles for parallel/sharding.py: a side's arrays follow that side's parameter axis
   SHARDING = {"left": "left_square", "right": "right_square"}
 
 

@@ -47,7 +47,7 @@ class ScaleByTwoSidedState(NamedTuple):
   """``s``: column scales ``batch + (n,)``; ``q``: row scales ``batch + (m,)`` (float32)."""
   s: optax.Updates
   q: optax.Updates
-  SHARDING = {"q": "rows"}  # sharding.py roles
+  SHARDING = {"q": "rows"}  # roles for parallel/sharding.py
 
 
 def two_sided_fixed_point(g: jax.Array, iters: int) -> tuple[jax.Array, jax.Array]:

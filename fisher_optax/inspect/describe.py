@@ -17,7 +17,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fisher_optax import matrices, memory, routing, stacking
+from fisher_optax import matrices, routing, stacking
+from fisher_optax.inspect import memory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import matrices, routing, stacking, validation
+from fisher_optax.parallel import explicit_axes
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
@@ -134,7 +135,9 @@ def _block_dims(dims: matrices.DimsSpec, stack_matrices: bool) -> matrices.DimsS
 
 def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=None, *,
             name: str = "structured", rank: Optional[int] = None, stack: bool = False):
-  """Closes a chain: decoupled weight decay on the structured leaves, then the step size.
+  """Closes a chain: decoupled weight decay on the structured leaves, then the step size;
+  then the optional stacked layout, ``Auto`` axes under an ``Explicit`` mesh
+  (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
 
   ``W <- W - lr * (direction + weight_decay * W)`` as in ``optax.adamw`` (Loshchilov &
   Hutter's decoupled decay, multiplied by the learning rate and its schedule). The decay
@@ -150,6 +153,8 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
   structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
   if stack:
     structured = stacking.stack_matrices(structured, dims=dims)
+  # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes
+  structured = explicit_axes.with_auto_axes(structured)
   fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
                        info=dict(name=name, rank=rank, stack_matrices=stack))
