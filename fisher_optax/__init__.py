@@ -18,9 +18,8 @@ from fisher_optax.alias import (alice, alice0, alice_soap, apollo, apollo_mini,
                                      inject_hyperparams, muon, racs, shampoo, soap, swan)
 from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,
                                  scale_by_shape, whiten)
-from fisher_optax.matrices import DimsRule
-from fisher_optax.routing import (NOT_A_MATRIX, MatrixDims, PathMask, default_mask,
-                                  in_float32, path_mask)
+from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims
+from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.flax_dims import FlaxDims, flax_dims
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings

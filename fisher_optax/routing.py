@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims,  # noqa: F401
-                                   MatrixView, NotAMatrix, cast_like, is_matrix_shape,
-                                   matrix_view, resolve_dims, views_like, vmap_batch)
-from fisher_optax.matrices import _normalize_axes
+from fisher_optax.lifting import cast_like
+from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims, NotAMatrix,
+                                   is_matrix_shape, normalize_axes, resolve_dims)
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).
@@ -114,7 +113,7 @@ def check_dims(params: Any, dims: DimsSpec) -> None:
                          "fo.NOT_A_MATRIX to send it to the fallback")
       return
     try:
-      _normalize_axes(len(shape), d)
+      normalize_axes(len(shape), d)
     except ValueError as e:
       raise ValueError(f"`dims` for leaf {path_to_str(path)!r} of shape {tuple(shape)}: "
                        f"{e}") from None

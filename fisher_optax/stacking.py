@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, routing
+from fisher_optax import grouping, lifting, matrices, routing
 
 
 class StackMatricesState(NamedTuple):
@@ -106,14 +106,14 @@ def stack(p: StackPlan, tree: Any) -> dict:
 def unstack(p: StackPlan, stacked: dict) -> Any:
   """Inverse of :func:`stack`; each leaf cast (saturating) to its planned dtype. A leaf
   that is part of its stack is cut out with a static slice (XLA:CPU's cost of those:
-  :func:`fisher_optax.matrices.map_grouped`)."""
+  :func:`fisher_optax.grouping.map_grouped`)."""
   out = []
   for (name, start, num), v, dtype in zip(p.slots, p.views, p.dtypes):
     x = stacked[name]
     if num != x.shape[0]:
       x = jax.lax.slice_in_dim(x, start, start + num, axis=0)
     x = v.from_canonical(x.reshape(v.batch_shape + (v.fan_in, v.fan_out)))
-    out.append(matrices.cast_like(x, dtype))
+    out.append(lifting.cast_like(x, dtype))
   return p.treedef.unflatten(out)
 
 

@@ -158,7 +158,7 @@ def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
 
 def test_refresh_grouped_by_shape_equals_each_leaf_alone():
   """The refresh serves same-shape matrices of several leaves in one call
-  (``matrices.map_grouped``): every leaf's basis and coefficients equal those of the
+  (``grouping.map_grouped``): every leaf's basis and coefficients equal those of the
   same block run on that leaf alone, and the state holds statistics only (no int32
   layout arrays besides the step counter)."""
   params = {"a": jnp.zeros((6, 9)), "b": jnp.zeros((2, 6, 11)), "c": jnp.zeros((6, 9))}

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fisher_optax import matrices
+from fisher_optax import grouping, lifting, matrices
 
 TREE = {"wide": jnp.arange(12.0).reshape(3, 4), "tall": jnp.arange(20.0).reshape(5, 4),
         "stack": jnp.arange(24.0).reshape(2, 3, 4), "half": jnp.ones((4, 6), jnp.bfloat16)}
@@ -13,7 +13,7 @@ TREE = {"wide": jnp.arange(12.0).reshape(3, 4), "tall": jnp.arange(20.0).reshape
 
 @pytest.mark.parametrize("side", [None, "smaller", "larger"])
 def test_lift_round_trip_and_canonical_layout(side):
-  lv = matrices.Lifted(TREE, matrices.MatrixDims(), side=side, what="test", canonical=True)
+  lv = lifting.Lifted(TREE, matrices.MatrixDims(), side=side, what="test", canonical=True)
   for g, v, x in zip(lv.gcs, lv.views, lv.leaves):
     assert g.dtype == jnp.float32 and g.shape == v.batch_shape + (v.m, v.n)
     if side == "smaller":
@@ -28,7 +28,7 @@ def test_lift_round_trip_and_canonical_layout(side):
 
 
 def test_per_matrix_maps_one_matrix_at_a_time_over_stacks():
-  lv = matrices.Lifted(TREE, matrices.MatrixDims(), what="test", canonical=True)
+  lv = lifting.Lifted(TREE, matrices.MatrixDims(), what="test", canonical=True)
   traces = lv.per_matrix(lambda g: jnp.trace(g @ g.T), lv.gcs)
   for t, x in zip(traces, lv.leaves):
     x = np.asarray(x, np.float64)
@@ -40,13 +40,13 @@ def test_per_matrix_maps_one_matrix_at_a_time_over_stacks():
 
 def test_merged_axes_and_vectors():
   w = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # (heads, head_dim, out)
-  lv = matrices.Lifted({"o": w, "b": jnp.ones(5)}, {"o": matrices.MatrixDims(rows=(0, 1),
+  lv = lifting.Lifted({"o": w, "b": jnp.ones(5)}, {"o": matrices.MatrixDims(rows=(0, 1),
                                                                             cols=2), "b": None},
                        what="test", vectors=True)
   assert lv.views[0] is None  # "b" (sorted first) is a vector
   assert (lv.views[1].m, lv.views[1].n) == (6, 5)
   with pytest.raises(ValueError, match="matrices"):
-    matrices.Lifted({"b": jnp.ones(5)}, None, what="test")
+    lifting.Lifted({"b": jnp.ones(5)}, None, what="test")
 
 
 def test_map_grouped_serves_each_shape_once_and_splits_back():
@@ -58,7 +58,7 @@ def test_map_grouped_serves_each_shape_once_and_splits_back():
 
   items = [(jnp.ones((2, 3, 3)), None), (2 * jnp.ones((1, 3, 3)), None),
            (jnp.ones((4, 2, 2)), None)]
-  out = matrices.map_grouped(fn, items)
+  out = grouping.map_grouped(fn, items)
   assert [o.shape for o in out] == [(2, 3, 3), (1, 3, 3), (4, 2, 2)]
   np.testing.assert_array_equal(np.asarray(out[1]), 2 * np.ones((1, 3, 3)))
   assert len(calls) == 2  # one trace per shape (lax.map on CPU / vmap elsewhere)
@@ -73,9 +73,9 @@ def test_map_grouped_equals_each_item_alone():
             jnp.asarray(rng.normal(size=(b, 3)), jnp.float32)) for b in (2, 1, 3)]
   items.insert(1, (jnp.ones((2, 5, 4)), jnp.ones((2, 5))))  # a group of its own
   fn = lambda a, b: (a * 2.0, a @ a.T + b[:, None])  # noqa: E731
-  assert matrices.group_starts(items) == [0, 0, 2, 3]
-  assert matrices.group_starts(jax.eval_shape(lambda: items)) == [0, 0, 2, 3]
-  got = jax.jit(lambda its: matrices.map_grouped(fn, its))(items)
+  assert grouping.group_starts(items) == [0, 0, 2, 3]
+  assert grouping.group_starts(jax.eval_shape(lambda: items)) == [0, 0, 2, 3]
+  got = jax.jit(lambda its: grouping.map_grouped(fn, its))(items)
   for item, g in zip(items, got):
     for a, b in zip(linalg.map_matrices(fn, *item), g):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
@@ -83,7 +83,7 @@ def test_map_grouped_equals_each_item_alone():
 
 def test_map_stateless_casts_saturating():
   big = {"w": jnp.ones((2, 3), jnp.float16)}
-  out = matrices.map_stateless(lambda g, v: g * 1e6, big, None, what="test")
+  out = lifting.map_stateless(lambda g, v: g * 1e6, big, None, what="test")
   assert out["w"].dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(out["w"])))
 
 
@@ -97,16 +97,16 @@ def test_vmap_grouped_equals_per_leaf_draws_with_one_call_per_group():
   def draw(s, m, r):
     return rp.random_basis(jax.random.PRNGKey(s), m, r)
 
-  got = matrices.vmap_grouped(lambda mr: lambda s: draw(s, *mr), seeds, shapes)
+  got = grouping.vmap_grouped(lambda mr: lambda s: draw(s, *mr), seeds, shapes)
   for s, (m, r), x in zip(seeds, shapes, got):
-    want = matrices.vmap_batch(lambda t: draw(t, m, r), jnp.ndim(s))(s)
+    want = grouping.vmap_batch(lambda t: draw(t, m, r), jnp.ndim(s))(s)
     assert x.shape == jnp.shape(s) + (m, r)
     np.testing.assert_allclose(x, want, rtol=1e-6)
   calls = []
   def counted(group):
     calls.append(group)
     return lambda s: draw(s, *group)
-  jax.jit(lambda *a: matrices.vmap_grouped(counted, a, shapes)).lower(*seeds)
+  jax.jit(lambda *a: grouping.vmap_grouped(counted, a, shapes)).lower(*seeds)
   assert sorted(calls) == [(4, 2), (5, 1)]
 
 
@@ -115,14 +115,14 @@ def test_vmap_grouped_starts_are_offsets_within_each_group():
   seeds = [jnp.uint32(3), jnp.arange(6, dtype=jnp.uint32).reshape(2, 3), jnp.uint32(9),
            jnp.uint32(11)]
   shapes = [(4, 2), (4, 2), (5, 1), (4, 2)]
-  assert matrices.vmap_grouped_starts([jnp.shape(s) for s in seeds], shapes) == [0, 1, 0, 7]
-  got = jax.jit(lambda *a: matrices.vmap_grouped(
+  assert grouping.vmap_grouped_starts([jnp.shape(s) for s in seeds], shapes) == [0, 1, 0, 7]
+  got = jax.jit(lambda *a: grouping.vmap_grouped(
       lambda mr: lambda s: rp.random_basis(jax.random.PRNGKey(s), *mr), a, shapes))(*seeds)
   np.testing.assert_allclose(got[3], rp.random_basis(jax.random.PRNGKey(11), 4, 2), rtol=1e-6)
 
 
 def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():
-  """``Lifted.per_matrix`` runs ``fn`` under ``matrices.shared``: traced once per argument
+  """``Lifted.per_matrix`` runs ``fn`` under ``grouping.shared``: traced once per argument
   shape however many leaves share it (vmap over a stack reuses the trace), same values as
   calling ``fn`` leaf by leaf."""
   traced = []
@@ -134,7 +134,7 @@ def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():
   tree = [jnp.full((3, 4), float(i)) for i in range(6)] + [jnp.ones((2, 3, 4)), jnp.ones((4, 5))]
 
   def run(tree):
-    lv = matrices.Lifted(tree, matrices.MatrixDims(), what="test", canonical=True)
+    lv = lifting.Lifted(tree, matrices.MatrixDims(), what="test", canonical=True)
     ss = [jnp.ones(v.batch_shape + (v.n,)) for v in lv.views]
     return lv.per_matrix(fn, lv.gcs, ss)
 
@@ -151,7 +151,7 @@ def test_shared_closes_over_traced_hyperparameters():
   (``optax.inject_hyperparams`` passes its hyperparameters that way)."""
 
   def update(beta, tree):
-    one = matrices.shared(lambda x: beta * x)
+    one = grouping.shared(lambda x: beta * x)
     return [one(x) for x in tree]
 
   tree = [jnp.ones((2, 2)), 2 * jnp.ones((2, 2))]

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, matrices, validation
+from fisher_optax import grouping, linalg, matrices, validation
 from fisher_optax.blocks import limiter as limiter_lib
 from fisher_optax.blocks import low_rank, random_projection
 
@@ -92,8 +92,8 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
   def update_fn(updates, state, params=None):
     del params
     p_tree = state.p if method == "optimal" else jax.tree.map(lambda _: None, state.phi)
-    # traced once per matrix shape (matrices.shared)
-    arrays = matrices.shared(functools.partial(
+    # traced once per matrix shape (grouping.shared)
+    arrays = grouping.shared(functools.partial(
         _compensate_arrays, method=method, alpha_c=alpha_c, b1=b1, limiter=limiter,
         scale=scale))
 

@@ -14,13 +14,13 @@ all-zero gradients from being frozen at eta = 0 forever.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, validation
+from fisher_optax import grouping, lifting, matrices, validation
 
 
 def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
@@ -59,7 +59,7 @@ def norm_growth_limiter(limiter: float = 1.01, *,
   validation.check_range("limiter", limiter, low=0.0, high=float("inf"), low_open=True)
 
   def lift(tree):
-    return matrices.Lifted(tree, dims, what="norm_growth_limiter", vectors=True)
+    return lifting.Lifted(tree, dims, what="norm_growth_limiter", vectors=True)
 
   def norm(x, view):  # per matrix of a stack; a vector or scalar is one tensor
     x = x.astype(jnp.float32)
@@ -71,7 +71,7 @@ def norm_growth_limiter(limiter: float = 1.01, *,
     eta, phi = limit_growth(norm(u, view), phi, limiter)
     if view is not None:
       eta = view.expand_batch(eta)
-    return matrices.cast_like(u * eta, u.dtype), phi
+    return lifting.cast_like(u * eta, u.dtype), phi
 
   def init_fn(params):
     return NormGrowthLimiterState(phi=lift(params).per_view(
@@ -81,7 +81,7 @@ def norm_growth_limiter(limiter: float = 1.01, *,
     del params
     lv = lift(updates)
     out, new_phi = [], []
-    one = matrices.shared(leaf, static_argnums=2)
+    one = grouping.shared(leaf, static_argnums=2)
     for u, phi, view in zip(lv.leaves, lv.flat(state.phi), lv.views):
       o, phi = one(u, phi, view)
       out.append(o)

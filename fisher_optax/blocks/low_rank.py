@@ -27,7 +27,7 @@ the tree sit in one ``lax.cond`` (keep / refresh; the first refresh and the late
 are a ``lax.cond`` per matrix inside it), so ordinary steps run none of their code;
 inside it, same-shape matrices (every layer's ``q_proj``,
 stack entries) are concatenated and served by one decomposition call per shape
-(:func:`fisher_optax.matrices.map_grouped`), which also keeps compile time flat in
+(:func:`fisher_optax.grouping.map_grouped`), which also keeps compile time flat in
 the number of layers. ``Q`` is never formed: the switching policy reads the Gram
 ``C = G G^T`` (``m x m``, formed once per refresh, so matrices of one ``m`` share one
 compiled refresh) and applies ``Q`` as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) C U``.
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, matrices, validation
+from fisher_optax import grouping, lifting, matrices, validation
 from fisher_optax.blocks import switching as switching_lib
 
 
@@ -146,10 +146,10 @@ def check_side(side: str) -> str:
   return side
 
 
-def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> matrices.Lifted:
+def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> lifting.Lifted:
   """The tree lifted with the projected side as rows: ``m <= n`` for ``side="smaller"``
   (the paper's convention), ``m >= n`` for ``side="larger"``."""
-  return matrices.Lifted(tree, dims, side=side, what=what, canonical=canonical)
+  return lifting.Lifted(tree, dims, side=side, what=what, canonical=canonical)
 
 
 class LowRankTrackState(NamedTuple):
@@ -233,7 +233,7 @@ class _Tracker:
     q_leaves = lv.flat(state.tracked) if self.has_tracking else [None] * len(leaves)
     new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
     out, new_u, new_q = [], [], []
-    step = matrices.shared(self.project)  # traced once per leaf shape
+    step = grouping.shared(self.project)  # traced once per leaf shape
     for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
                                         new_flat_q):
       u = u.reshape(u_old.shape)
@@ -264,7 +264,7 @@ class _Tracker:
     tree, so an ordinary step runs none of this; inside it the policy's operand
     (switching: ``G G^T``) is formed per leaf, a batched matmul over its stack
     (concatenating same-shape gradients first copied them and compiled more kernels), and
-    the refresh runs once per operand shape (matrices.map_grouped: every layer's q_proj,
+    the refresh runs once per operand shape (grouping.map_grouped: every layer's q_proj,
     and with the Gram every matrix of one ``m``, share one decomposition call). The first
     refresh (step 1) and the later ones differ only in the policy's per-matrix
     ``basis_from``, so they share the operands, grouping, non-finite guard and
@@ -278,7 +278,7 @@ class _Tracker:
     def refresh(ops):
       gs, us, qs, key = ops
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = matrices.map_grouped(fn, self.items(gs, us, qs, key, count))
+      outs = grouping.map_grouped(fn, self.items(gs, us, qs, key, count))
       return [o[0] for o in outs], [o[1] for o in outs]
 
     return jax.lax.cond((count % self.interval) == 0, refresh,
@@ -296,8 +296,8 @@ class _Tracker:
 
   def items(self, gs, us, qs, key, count):
     """The refresh's per-leaf arguments: the policy's operand, the basis, the tracked
-    state and the random words (:func:`fisher_optax.matrices.map_grouped` items)."""
-    operand = matrices.shared(self.policy.operand)
+    state and the random words (:func:`fisher_optax.grouping.map_grouped` items)."""
+    operand = grouping.shared(self.policy.operand)
     xs = [operand(g) for g in gs]
     noise = (self.noise(key, count, gs, us) if self.policy.random else [None] * len(gs))
     return list(zip(xs, us, qs, noise))
@@ -392,13 +392,13 @@ def _times(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def dense_low_rank(s: Subspace) -> jax.Array:
   """``U @ coeffs`` in canonical layout (float32; traced once per shape,
-  :func:`fisher_optax.matrices.shared`)."""
+  :func:`fisher_optax.grouping.shared`)."""
   return _times(s.basis, s.coeffs)
 
 
 def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
   """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
-  return matrices.from_canonical_as(canonical, s.view, jnp.dtype(s.dtype))
+  return lifting.from_canonical_as(canonical, s.view, jnp.dtype(s.dtype))
 
 
 def project_back() -> optax.GradientTransformation:

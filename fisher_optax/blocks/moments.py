@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import matrices, validation
+from fisher_optax import grouping, lifting, validation
 
 
 class ScaleByMomentsState(NamedTuple):
@@ -54,13 +54,13 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     x = u.astype(jnp.float32)
     mu = otu.tree_update_moment(x, mu, b1, 1)
     nu = otu.tree_update_moment_per_elem_norm(x, nu, b2, 2)
-    out = matrices.cast_like(mu / (jnp.sqrt(nu) + eps), u.dtype)
+    out = lifting.cast_like(mu / (jnp.sqrt(nu) + eps), u.dtype)
     return out, mu.astype(dtype), nu.astype(dtype)
 
   def update_fn(updates, state, params=None):
     del params
-    # traced once per leaf shape (matrices.shared)
-    res = jax.tree.map(matrices.shared(leaf), updates, state.mu, state.nu)
+    # traced once per leaf shape (grouping.shared)
+    res = jax.tree.map(grouping.shared(leaf), updates, state.mu, state.nu)
     pick = lambda i: jax.tree.map(lambda _, r: r[i], updates, res)  # noqa: E731
     return pick(0), ScaleByMomentsState(mu=pick(1), nu=pick(2))
 
@@ -87,7 +87,7 @@ def scale_by_bias_correction(b1: float = 0.9, b2: float = 0.999) -> optax.Gradie
     count = optax.safe_int32_increment(state.count)
     t = count.astype(jnp.float32)
     factor = jnp.sqrt(1 - jnp.asarray(b2, jnp.float32) ** t) / (1 - jnp.asarray(b1, jnp.float32) ** t)
-    out = jax.tree.map(lambda u: matrices.cast_like(u * factor, u.dtype), updates)
+    out = jax.tree.map(lambda u: lifting.cast_like(u * factor, u.dtype), updates)
     return out, ScaleByBiasCorrectionState(count=count)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, validation
+from fisher_optax import lifting, validation
 
 
 class ScaleByMomentumState(NamedTuple):
@@ -63,7 +63,7 @@ def scale_by_momentum(beta: float = 0.95, *, nesterov: bool = True,
                          optax.tree.bias_correction(updates, beta, count))
     else:
       out = optax.tree.bias_correction(mu, beta, count)
-    out = jax.tree.map(lambda o, g: matrices.cast_like(o, g.dtype), out, grads)
+    out = jax.tree.map(lambda o, g: lifting.cast_like(o, g.dtype), out, grads)
     return out, ScaleByMomentumState(count=count, mu=optax.tree.cast(mu, mu_dtype))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, validation
+from fisher_optax import lifting, matrices, validation
 
 
 def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.Array:
@@ -71,7 +71,7 @@ def normalize(*, axis: str = "columns", center: bool = False, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
-    out = matrices.map_stateless(lambda g, _: normalize_matrix(g, axis, center, eps), updates,
+    out = lifting.map_stateless(lambda g, _: normalize_matrix(g, axis, center, eps), updates,
                                  dims, side="smaller", what="normalize")
     return out, state
 

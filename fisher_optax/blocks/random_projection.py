@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, matrices, rng, validation
+from fisher_optax import grouping, lifting, linalg, matrices, rng, validation
 from fisher_optax.blocks import low_rank
 
 
@@ -56,24 +56,24 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
   what = "random_project"
 
   def init_fn(params):
-    matrices.Lifted(params, dims, side="smaller", what=what)  # checks the dims
+    lifting.Lifted(params, dims, side="smaller", what=what)  # checks the dims
     return RandomProjectState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None):
     del params
-    lv = matrices.Lifted(updates, dims, side="smaller", what=what, canonical=True)
+    lv = lifting.Lifted(updates, dims, side="smaller", what=what, canonical=True)
     key = jax.random.PRNGKey(seed)
     renewal = state.count // interval
     firsts = [0]
     for v in lv.views:
       firsts.append(firsts[-1] + v.num_matrices)
     indices = [rng.matrix_indices(f, v.batch_shape) for f, v in zip(firsts, lv.views)]
-    # the draws of all leaves with the same (m, r) in one vmapped call (matrices.vmap_grouped)
+    # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
     shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lv.views]
-    bases = matrices.vmap_grouped(
+    bases = grouping.vmap_grouped(
         lambda mr: lambda i: random_basis(rng.draw_key(key, renewal, i), *mr), indices, shapes)
     nodes = []
-    project = matrices.shared(linalg.project_rows)
+    project = grouping.shared(linalg.project_rows)
     for g, gc, basis, view in zip(lv.leaves, lv.gcs, bases, lv.views):
       sigma = project(basis, gc)
       nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
@@ -104,7 +104,7 @@ def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformati
   def update_fn(updates, state, params=None):
     del params
 
-    scaled = matrices.shared(lambda g, coeffs, sigma: g * norm_ratio(coeffs, sigma, kind))
+    scaled = grouping.shared(lambda g, coeffs, sigma: g * norm_ratio(coeffs, sigma, kind))
 
     def one(s):
       return low_rank.to_leaf(s, scaled(s.grad, s.coeffs, s.sigma))

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import linalg, matrices, validation
+from fisher_optax import grouping, lifting, linalg, matrices, validation
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -192,11 +192,11 @@ def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
   """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
   :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
   (across leaves, stack entries and sides) are concatenated so that one decomposition
-  call (:func:`fisher_optax.matrices.map_grouped`) serves them."""
+  call (:func:`fisher_optax.grouping.map_grouped`) serves them."""
   members = [(i, side) for i in range(len(stats["l"])) for side in ("l", "r")
              if stats[side][i] is not None]
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
-  outs = matrices.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
+  outs = grouping.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
                             [(flat(stats[side][i]), flat(bases[side][i]))
                              for i, side in members])
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
@@ -286,8 +286,8 @@ class _Rotation:
   max_dim: Optional[int]
   dims: matrices.DimsSpec
 
-  def lift(self, tree, canonical: bool = False) -> matrices.Lifted:
-    return matrices.Lifted(tree, self.dims, side="smaller" if self.sides == "smaller" else None,
+  def lift(self, tree, canonical: bool = False) -> lifting.Lifted:
+    return lifting.Lifted(tree, self.dims, side="smaller" if self.sides == "smaller" else None,
                            what="rotate", canonical=canonical)
 
   def side_arrays(self, v: matrices.MatrixView, side: str, kind: str):

@@ -35,12 +35,12 @@ its complement columns are the first ``k`` of the argsort of its ``m - r`` words
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import linalg, matrices, rng, validation
+from fisher_optax import grouping, linalg, rng, validation
 
 
 def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,
@@ -77,7 +77,7 @@ class Switch:
 
     Reading ``C`` rather than ``G`` makes the refresh a function of ``(m, r)`` only, so
     matrices of one ``m`` and different ``n`` (a LLaMA's attention, MLP and output
-    kernels) share one compiled refresh (``matrices.map_grouped``);
+    kernels) share one compiled refresh (``grouping.map_grouped``);
     forming ``C`` costs ``m^2 n`` against the ``4 m n r`` of applying ``G G^T`` twice.
     A tall ``G`` (``m > n``: :func:`fisher_optax.alice_soap`'s right basis, whose ``m`` is
     the parameter's larger side, e.g. a 32000-token vocabulary) keeps ``G``: its Gram

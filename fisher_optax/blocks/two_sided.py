@@ -34,13 +34,13 @@ State per matrix: ``m + n`` numbers (the limiter's scalar is in
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import linalg, matrices, validation
+from fisher_optax import lifting, linalg, matrices, validation
 
 
 class ScaleByTwoSidedState(NamedTuple):
@@ -108,7 +108,7 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
   what = "scale_by_two_sided (RACS)"
 
   def init_fn(params):
-    lv = matrices.Lifted(params, dims, what=what)
+    lv = lifting.Lifted(params, dims, what=what)
     return ScaleByTwoSidedState(
         s=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32)),
         q=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32)))
@@ -128,7 +128,7 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
-    lv = matrices.Lifted(updates, dims, what=what, canonical=True)
+    lv = lifting.Lifted(updates, dims, what=what, canonical=True)
     res = lv.per_matrix(per_matrix, lv.gcs, lv.flat(state.s), lv.flat(state.q))
     out, s, q = zip(*res) if res else ((), (), ())  # no matrices: nothing to scale
     return lv.to_leaves(out), ScaleByTwoSidedState(s=lv.un(s), q=lv.un(q))

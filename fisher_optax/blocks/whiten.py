@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import matrices, validation
+from fisher_optax import lifting, matrices, validation
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 CUBIC_COEFFS = (1.5, -0.5, 0.0)
@@ -108,7 +108,7 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
 
   def update_fn(updates, state, params=None):
     del params
-    return matrices.map_stateless(per_matrix, updates, dims, side="smaller",
+    return lifting.map_stateless(per_matrix, updates, dims, side="smaller",
                                   what="whiten"), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -138,6 +138,6 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
 
   def update_fn(updates, state, params=None):
     del params
-    return matrices.map_stateless(per_matrix, updates, dims, what="scale_by_shape"), state
+    return lifting.map_stateless(per_matrix, updates, dims, what="scale_by_shape"), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
