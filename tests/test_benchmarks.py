@@ -32,7 +32,17 @@ def test_step_time_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
                         "tiny", "--optimizers", "racs,alice", "--reps", "2", "--json"],
                        capture_output=True, text=True, timeout=600, check=True)
-  assert '"ratio_amortised"' in out.stdout
+  import json
+  rows = json.loads(out.stdout)
+  assert [r["optimizer"] for r in rows] == ["racs", "alice"]
+  for r in rows:  # the ratios are the printed times' ratios to Adam's, same process
+    assert r["adam_ms"] > 0 and r["ordinary_ms"] > 0 and r["refresh_ms"] > 0
+    assert abs(r["ratio_ordinary"] - r["ordinary_ms"] / r["adam_ms"]) < 1e-9
+    assert abs(r["ratio_refresh"] - r["refresh_ms"] / r["adam_ms"]) < 1e-9
+    k = r["interval"]
+    amortised = ((k - 1) * r["ordinary_ms"] + r["refresh_ms"]) / k / r["adam_ms"]
+    assert abs(r["ratio_amortised"] - amortised) < 1e-9
+  assert rows[0]["interval"] == 1 and rows[1]["interval"] > 1  # RACS has no refresh
 
 
 @pytest.mark.example
@@ -104,4 +114,11 @@ def test_train_throughput_benchmark_runs_on_tiny():
                         "--preset", "tiny", "--optimizers", "racs", "--steps", "1",
                         "--rounds", "1", "--batch-size", "2", "--json"],
                        capture_output=True, text=True, timeout=600, check=True)
-  assert '"ratio_to_adam"' in out.stdout
+  import json
+  rows = {r["optimizer"]: r for r in json.loads(out.stdout)}
+  assert abs(rows["adam"]["ratio_to_adam"] - 1) < 1e-9  # the reference, same process
+  row = rows["racs"]
+  assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
+  assert abs(row["ratio_to_adam"] - row["tokens_per_s"] / rows["adam"]["tokens_per_s"]) < 1e-9
+  assert 0 < row["ratio_to_adam"] < 100 and row["compile_s"] > 0
+  assert row["interval"] == 1 and row["amortised_ratio_to_adam"] > 0  # RACS: no refresh
