@@ -61,7 +61,7 @@ class Lifted:
 
   Attributes:
     leaves, treedef: the flattened tree.
-    gcs: with ``canonical=True``, the leaves as canonical ``batch + (m, n)`` float32
+    canonical_grads: with ``canonical=True``, the leaves as canonical ``batch + (m, n)`` float32
       arrays.
     views: one :class:`MatrixView` per leaf (``None`` for a leaf of ndim < 2 when
       ``vectors=True``).
@@ -71,7 +71,7 @@ class Lifted:
     dims: matrix axes per leaf (:data:`DimsSpec`).
     side: ``None`` (rows/cols as ``dims`` say), ``"smaller"`` or ``"larger"`` first.
     what: the block's name, for error messages.
-    canonical: compute :attr:`gcs` (at ``update``; at ``init`` the parameters need no
+    canonical: compute :attr:`canonical_grads` (at ``update``; at ``init`` the parameters need no
       copy). Done here, not lazily, so that it is traced outside any ``lax.cond`` a block
       builds.
     vectors: accept leaves of ndim < 2 (view ``None``; e.g. the norm-growth limiter,
@@ -86,32 +86,33 @@ class Lifted:
     self.views = [None if vectors and jnp.ndim(x) < 2
                   else matrix_view(jnp.shape(x), d, what=what, **flags)
                   for x, d in zip(self.leaves, dims_leaves)]
-    self.gcs = ([_canonical_f32(g, v) for g, v in zip(self.leaves, self.views)]
+    self.canonical_grads = ([_canonical_f32(g, v) for g, v in zip(self.leaves, self.views)]
                 if canonical else None)
 
-  def flat(self, tree: Any) -> list:
+  def leaves_of(self, tree: Any) -> list:
     """A tree of the same structure (e.g. a state field) -> its leaves in order."""
     return self.treedef.flatten_up_to(tree)
 
-  def un(self, leaves: Sequence[Any]) -> Any:
+  def unflatten(self, leaves: Sequence[Any]) -> Any:
     """Per-leaf values -> a tree of the lifted tree's structure."""
     return self.treedef.unflatten(list(leaves))
 
   def per_view(self, fn: Callable[["MatrixView"], Any]) -> Any:
     """A tree of ``fn(view)`` per leaf (state arrays at ``init``; ``fn`` may return
     ``None`` for an unused field)."""
-    return self.un([fn(v) for v in self.views])
+    return self.unflatten([fn(v) for v in self.views])
 
   def per_matrix(self, fn: Callable[..., Any], *cols: Sequence[Any]) -> list:
     """``fn`` (written for one matrix) on every leaf, ``vmap``-ed over its batch axes;
-    ``cols`` are per-leaf argument lists (e.g. :attr:`gcs`, ``flat(state.s)``). ``fn`` is
-    traced once per distinct argument shape (:func:`shared`)."""
+    ``cols`` are per-leaf argument lists (e.g. :attr:`canonical_grads`,
+    ``leaves_of(state.s)``). ``fn`` is traced once per distinct argument shape
+    (:func:`shared`)."""
     fn = shared(fn)
     return [vmap_batch(fn, len(v.batch_shape))(*xs) for v, *xs in zip(self.views, *cols)]
 
   def to_leaves(self, canonical: Sequence[jax.Array]) -> Any:
     """Canonical per-leaf arrays -> a tree in the leaves' layouts and dtypes."""
-    return self.un([from_canonical_as(o, v, jnp.dtype(g.dtype))
+    return self.unflatten([from_canonical_as(o, v, jnp.dtype(g.dtype))
                     for o, v, g in zip(canonical, self.views, self.leaves)])
 
 
@@ -120,7 +121,7 @@ def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, d
   """Applies ``fn(matrix_f32, view)`` (written for one canonical ``m x n`` matrix) to every
   leaf: canonical float32 layout, ``vmap`` over batch axes, back to the leaf's layout,
   cast (saturating) to the leaf's dtype. For stateless per-matrix blocks."""
-  lv = Lifted(tree, dims, side=side, what=what, canonical=True)
+  lifted = Lifted(tree, dims, side=side, what=what, canonical=True)
   one = shared(lambda m, v: vmap_batch(lambda x: fn(x, v), len(v.batch_shape))(m),
                static_argnums=1)
-  return lv.to_leaves([one(g, v) for v, g in zip(lv.views, lv.gcs)])
+  return lifted.to_leaves([one(g, v) for v, g in zip(lifted.views, lifted.canonical_grads)])

@@ -13,14 +13,14 @@ TREE = {"wide": jnp.arange(12.0).reshape(3, 4), "tall": jnp.arange(20.0).reshape
 
 @pytest.mark.parametrize("side", [None, "smaller", "larger"])
 def test_lift_round_trip_and_canonical_layout(side):
-  lv = lifting.Lifted(TREE, matrices.MatrixDims(), side=side, what="test", canonical=True)
-  for g, v, x in zip(lv.gcs, lv.views, lv.leaves):
+  lifted = lifting.Lifted(TREE, matrices.MatrixDims(), side=side, what="test", canonical=True)
+  for g, v, x in zip(lifted.canonical_grads, lifted.views, lifted.leaves):
     assert g.dtype == jnp.float32 and g.shape == v.batch_shape + (v.m, v.n)
     if side == "smaller":
       assert v.m <= v.n
     if side == "larger":
       assert v.m >= v.n
-  back = lv.to_leaves(lv.gcs)
+  back = lifted.to_leaves(lifted.canonical_grads)
   for k in TREE:
     assert back[k].dtype == TREE[k].dtype
     np.testing.assert_array_equal(np.asarray(back[k], np.float32),
@@ -28,23 +28,23 @@ def test_lift_round_trip_and_canonical_layout(side):
 
 
 def test_per_matrix_maps_one_matrix_at_a_time_over_stacks():
-  lv = lifting.Lifted(TREE, matrices.MatrixDims(), what="test", canonical=True)
-  traces = lv.per_matrix(lambda g: jnp.trace(g @ g.T), lv.gcs)
-  for t, x in zip(traces, lv.leaves):
+  lifted = lifting.Lifted(TREE, matrices.MatrixDims(), what="test", canonical=True)
+  traces = lifted.per_matrix(lambda g: jnp.trace(g @ g.T), lifted.canonical_grads)
+  for t, x in zip(traces, lifted.leaves):
     x = np.asarray(x, np.float64)
     want = np.sum(x * x, axis=(-2, -1))
     np.testing.assert_allclose(np.asarray(t), want, rtol=1e-5)
-  state = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,)))
+  state = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,)))
   assert state["stack"].shape == (2, 4) and state["tall"].shape == (4,)
 
 
 def test_merged_axes_and_vectors():
   w = jnp.arange(2 * 3 * 5, dtype=jnp.float32).reshape(2, 3, 5)  # (heads, head_dim, out)
-  lv = lifting.Lifted({"o": w, "b": jnp.ones(5)}, {"o": matrices.MatrixDims(rows=(0, 1),
-                                                                            cols=2), "b": None},
+  lifted = lifting.Lifted({"o": w, "b": jnp.ones(5)}, {"o": matrices.MatrixDims(rows=(0, 1),
+                                                                                cols=2), "b": None},
                        what="test", vectors=True)
-  assert lv.views[0] is None  # "b" (sorted first) is a vector
-  assert (lv.views[1].m, lv.views[1].n) == (6, 5)
+  assert lifted.views[0] is None  # "b" (sorted first) is a vector
+  assert (lifted.views[1].m, lifted.views[1].n) == (6, 5)
   with pytest.raises(ValueError, match="matrices"):
     lifting.Lifted({"b": jnp.ones(5)}, None, what="test")
 
@@ -134,9 +134,9 @@ def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():
   tree = [jnp.full((3, 4), float(i)) for i in range(6)] + [jnp.ones((2, 3, 4)), jnp.ones((4, 5))]
 
   def run(tree):
-    lv = lifting.Lifted(tree, matrices.MatrixDims(), what="test", canonical=True)
-    ss = [jnp.ones(v.batch_shape + (v.n,)) for v in lv.views]
-    return lv.per_matrix(fn, lv.gcs, ss)
+    lifted = lifting.Lifted(tree, matrices.MatrixDims(), what="test", canonical=True)
+    ss = [jnp.ones(v.batch_shape + (v.n,)) for v in lifted.views]
+    return lifted.per_matrix(fn, lifted.canonical_grads, ss)
 
   out = jax.jit(run)(tree)
   assert sorted(set(traced)) == [((3, 4), (4,)), ((4, 5), (5,))] and len(traced) == 2

@@ -82,11 +82,11 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
   what = "compensate"
 
   def init_fn(params):
-    lv = low_rank.lift(params, dims, what, side)
+    lifted = low_rank.lift(params, dims, what, side)
     p = None
     if method == "optimal":
-      p = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32))
-    phi = lv.per_view(lambda v: jnp.zeros(v.batch_shape, jnp.float32))
+      p = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32))
+    phi = lifted.per_view(lambda v: jnp.zeros(v.batch_shape, jnp.float32))
     return CompensateState(p=p, phi=phi)
 
   def update_fn(updates, state, params=None):

@@ -79,13 +79,13 @@ def norm_growth_limiter(limiter: float = 1.01, *,
 
   def update_fn(updates, state, params=None):
     del params
-    lv = lift(updates)
+    lifted = lift(updates)
     out, new_phi = [], []
     one = grouping.shared(leaf, static_argnums=2)
-    for u, phi, view in zip(lv.leaves, lv.flat(state.phi), lv.views):
+    for u, phi, view in zip(lifted.leaves, lifted.leaves_of(state.phi), lifted.views):
       o, phi = one(u, phi, view)
       out.append(o)
       new_phi.append(phi)
-    return lv.un(out), NormGrowthLimiterState(phi=lv.un(new_phi))
+    return lifted.unflatten(out), NormGrowthLimiterState(phi=lifted.unflatten(new_phi))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -216,21 +216,21 @@ class _Tracker:
     return lift(tree, self.dims, "low_rank_track", self.side, canonical)
 
   def init(self, params):
-    lv, r = self.lift(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
-    basis = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype))
+    lifted, r = self.lift(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
+    basis = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype))
     tracked = None
     if self.has_tracking:
-      tracked = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype))
+      tracked = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (r(v),) * 2, self.sdtype))
     key = jax.random.PRNGKey(self.policy.seed) if self.policy.random else None
     return LowRankTrackState(count=jnp.zeros([], jnp.int32), basis=basis, tracked=tracked,
                              key=key)
 
   def update(self, updates, state, params=None):
     del params
-    lv = self.lift(updates, canonical=True)
-    leaves, v_leaves, gcs = lv.leaves, lv.views, lv.gcs
-    u_leaves = lv.flat(state.basis)
-    q_leaves = lv.flat(state.tracked) if self.has_tracking else [None] * len(leaves)
+    lifted = self.lift(updates, canonical=True)
+    leaves, v_leaves, gcs = lifted.leaves, lifted.views, lifted.canonical_grads
+    u_leaves = lifted.leaves_of(state.basis)
+    q_leaves = lifted.leaves_of(state.tracked) if self.has_tracking else [None] * len(leaves)
     new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
     out, new_u, new_q = [], [], []
     step = grouping.shared(self.project)  # traced once per leaf shape
@@ -244,9 +244,9 @@ class _Tracker:
         new_q.append(q)
       new_u.append(u_state)
       out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
-    return lv.un(out), LowRankTrackState(
-        count=optax.safe_int32_increment(state.count), basis=lv.un(new_u),
-        tracked=lv.un(new_q) if self.has_tracking else None, key=state.key)
+    return lifted.unflatten(out), LowRankTrackState(
+        count=optax.safe_int32_increment(state.count), basis=lifted.unflatten(new_u),
+        tracked=lifted.unflatten(new_q) if self.has_tracking else None, key=state.key)
 
   def project(self, gc, u, q):
     """One leaf's step after the refresh: ``sigma = U^T G`` and, with tracking, paper Eq.
@@ -271,7 +271,7 @@ class _Tracker:
     re-expression (one compiled copy instead of one per branch)."""
     del v_leaves
     flat_g = [gc.reshape((-1,) + gc.shape[-2:]) for gc in gcs]
-    flat_u, flat_q = self.flat(u_leaves), self.flat(q_leaves)
+    flat_u, flat_q = self.as_stacks(u_leaves), self.as_stacks(q_leaves)
     count = state.count
     first = count == 0
 
@@ -285,14 +285,14 @@ class _Tracker:
                         lambda ops: (ops[1], ops[2]),
                         (flat_g, flat_u, flat_q, state.key))
 
-  def flat(self, leaves):
+  def as_stacks(self, leaves):
     """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""
     return [None if x is None else x.astype(jnp.float32).reshape((-1,) + x.shape[-2:])
             for x in leaves]
 
-  def flat_abstract(self, lv):
+  def flat_abstract(self, lifted):
     """The canonical gradients' ``[matrices, m, n]`` float32 shapes, from the views."""
-    return [jax.ShapeDtypeStruct((v.num_matrices, v.m, v.n), jnp.float32) for v in lv.views]
+    return [jax.ShapeDtypeStruct((v.num_matrices, v.m, v.n), jnp.float32) for v in lifted.views]
 
   def items(self, gs, us, qs, key, count):
     """The refresh's per-leaf arguments: the policy's operand, the basis, the tracked

@@ -61,24 +61,25 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
 
   def update_fn(updates, state, params=None):
     del params
-    lv = lifting.Lifted(updates, dims, side="smaller", what=what, canonical=True)
+    lifted = lifting.Lifted(updates, dims, side="smaller", what=what, canonical=True)
     key = jax.random.PRNGKey(seed)
     renewal = state.count // interval
     firsts = [0]
-    for v in lv.views:
+    for v in lifted.views:
       firsts.append(firsts[-1] + v.num_matrices)
-    indices = [rng.matrix_indices(f, v.batch_shape) for f, v in zip(firsts, lv.views)]
+    indices = [rng.matrix_indices(f, v.batch_shape) for f, v in zip(firsts, lifted.views)]
     # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
-    shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lv.views]
+    shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lifted.views]
     bases = grouping.vmap_grouped(
         lambda mr: lambda i: random_basis(rng.draw_key(key, renewal, i), *mr), indices, shapes)
     nodes = []
     project = grouping.shared(linalg.project_rows)
-    for g, gc, basis, view in zip(lv.leaves, lv.gcs, bases, lv.views):
+    for g, gc, basis, view in zip(lifted.leaves, lifted.canonical_grads, bases, lifted.views):
       sigma = project(basis, gc)
       nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
                                      dtype=g.dtype))
-    return lv.un(nodes), RandomProjectState(count=optax.safe_int32_increment(state.count))
+    count = optax.safe_int32_increment(state.count)
+    return lifted.unflatten(nodes), RandomProjectState(count=count)
 
   return low_rank.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
 

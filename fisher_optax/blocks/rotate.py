@@ -306,9 +306,9 @@ class _Rotation:
     return jnp.ones(v.batch_shape + (d,), jnp.float32)
 
   def init(self, params):
-    lv = self.lift(params)
-    mk = lambda side, kind: lv.per_view(lambda v: self.side_arrays(v, side, kind))  # noqa: E731
-    coeff_like = lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32))
+    lifted = self.lift(params)
+    mk = lambda side, kind: lifted.per_view(lambda v: self.side_arrays(v, side, kind))  # noqa: E731
+    coeff_like = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32))
     inner_state = self.inner.init(coeff_like)
     _check_fields(inner_state, self.reexpress, "reexpress")
     _check_fields(inner_state, self.permute, "permute")
@@ -319,47 +319,49 @@ class _Rotation:
 
   def update(self, updates, state, params=None):
     del params
-    lv = self.lift(updates, canonical=True)
+    lifted = self.lift(updates, canonical=True)
     c = state.count
     sides = {"l": state.left, "r": state.right}
-    st = {k: lv.flat(v.stats) for k, v in sides.items()}
-    bases = {k: lv.flat(v.basis) for k, v in sides.items()}
-    eigs = {k: lv.flat(v.eig) for k, v in sides.items()}
+    st = {k: lifted.leaves_of(v.stats) for k, v in sides.items()}
+    bases = {k: lifted.leaves_of(v.basis) for k, v in sides.items()}
+    eigs = {k: lifted.leaves_of(v.eig) for k, v in sides.items()}
     inner_state = state.inner_state
     if self.statistics == "before":
-      st = self.stats_all(lv, st)
-      bases, eigs, inner_state = self.refresh_all(lv, st, bases, eigs, inner_state, c == 0,
+      st = self.stats_all(lifted, st)
+      bases, eigs, inner_state = self.refresh_all(lifted, st, bases, eigs, inner_state, c == 0,
                                                   (c % self.interval) == 0)
-      out, inner_state = self.rotated_update(lv, bases, eigs, inner_state)
+      out, inner_state = self.rotated_update(lifted, bases, eigs, inner_state)
     else:  # SOAP: step 1 only initialises; later: update, then statistics and refresh
       # only the update is conditional: one copy of the refresh machinery is compiled
       # (step 1's refresh is the eigh branch of the same switch, 0 % interval == 0)
       out, inner_state = jax.lax.cond(
-          c == 0, lambda: ([jnp.zeros_like(gc) for gc in lv.gcs], inner_state),
-          lambda: self.rotated_update(lv, bases, eigs, inner_state))
-      st = self.stats_all(lv, st)
-      bases, eigs, inner_state = self.refresh_all(lv, st, bases, eigs, inner_state, c == 0,
+          c == 0, lambda: ([jnp.zeros_like(gc) for gc in lifted.canonical_grads], inner_state),
+          lambda: self.rotated_update(lifted, bases, eigs, inner_state))
+      st = self.stats_all(lifted, st)
+      bases, eigs, inner_state = self.refresh_all(lifted, st, bases, eigs, inner_state, c == 0,
                                                   (c % self.interval) == 0)
-    side = lambda k: RotateSideState(stats=lv.un(st[k]), basis=lv.un(bases[k]),  # noqa: E731
-                                     eig=lv.un(eigs[k]))
-    return lv.to_leaves(out), RotateState(count=optax.safe_int32_increment(c), left=side("l"),
-                                          right=side("r"), inner_state=inner_state)
+    side = lambda k: RotateSideState(  # noqa: E731
+        stats=lifted.unflatten(st[k]), basis=lifted.unflatten(bases[k]),
+        eig=lifted.unflatten(eigs[k]))
+    return lifted.to_leaves(out), RotateState(count=optax.safe_int32_increment(c), left=side("l"),
+                                              right=side("r"), inner_state=inner_state)
 
-  def stats_all(self, lv, st):
-    return {k: lv.per_matrix(lambda s, g, side=side: stats_update(s, g, side, self.b3),
-                             st[k], lv.gcs) for k, side in (("l", "left"), ("r", "right"))}
+  def stats_all(self, lifted, st):
+    return {k: lifted.per_matrix(lambda s, g, side=side: stats_update(s, g, side, self.b3),
+                                 st[k], lifted.canonical_grads)
+            for k, side in (("l", "left"), ("r", "right"))}
 
-  def refresh_all(self, lv, st, bases, eigs, inner_state, first, do_refresh):
+  def refresh_all(self, lifted, st, bases, eigs, inner_state, first, do_refresh):
     """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
     ordinary steps do no basis arithmetic."""
-    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lv, True, ops)]
+    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lifted, True, ops)]
     which = jnp.where(do_refresh, 1, 0)
     if self.refresh == "power_qr":
-      branches.append(lambda ops: self.refreshed(lv, False, ops))
+      branches.append(lambda ops: self.refreshed(lifted, False, ops))
       which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
     return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
 
-  def refreshed(self, lv, use_eigh, ops):
+  def refreshed(self, lifted, use_eigh, ops):
     """New bases (+ eigenvalues) and the inner state moved to them."""
     st, bases, eigs, inner_state = ops
     res = _refresh_sides(st, bases, use_eigh)
@@ -371,22 +373,24 @@ class _Rotation:
                       for o, r in zip(eigs[k], res[k])] for k in "lr"}
     get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]  # noqa: E731
     for name in self.reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
-      new = lv.per_matrix(lambda x, a, b: rotate_in(x, None if a is None else a.T,
-                                                    None if b is None else b.T).astype(x.dtype),
-                          _field_leaves(inner_state, name, lv.treedef), get("l", "change"),
-                          get("r", "change"))
-      inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
+      new = lifted.per_matrix(
+          lambda x, a, b: rotate_in(x, None if a is None else a.T,
+                                    None if b is None else b.T).astype(x.dtype),
+          _field_leaves(inner_state, name, lifted.treedef), get("l", "change"),
+          get("r", "change"))
+      inner_state = otu.tree_set(inner_state, **{name: lifted.unflatten(new)})
     for name in (self.permute if not use_eigh else ()):
-      new = lv.per_matrix(_permute, _field_leaves(inner_state, name, lv.treedef),
-                          get("l", "order"), get("r", "order"))
-      inner_state = otu.tree_set(inner_state, **{name: lv.un(new)})
+      new = lifted.per_matrix(_permute, _field_leaves(inner_state, name, lifted.treedef),
+                              get("l", "order"), get("r", "order"))
+      inner_state = otu.tree_set(inner_state, **{name: lifted.unflatten(new)})
     return new_bases, new_eigs, inner_state
 
-  def rotated_update(self, lv, bases, eigs, inner_state):
+  def rotated_update(self, lifted, bases, eigs, inner_state):
     power, eps = self.eigenvalue_power, self.stats_eps
-    gr = lv.per_matrix(lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
-                       lv.gcs, bases["l"], bases["r"], eigs["l"], eigs["r"])
-    out_r, inner_state = self.inner.update(lv.un(gr), inner_state, None)
-    out = lv.per_matrix(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
-                        lv.flat(out_r), bases["l"], bases["r"])
+    gr = lifted.per_matrix(
+        lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
+        lifted.canonical_grads, bases["l"], bases["r"], eigs["l"], eigs["r"])
+    out_r, inner_state = self.inner.update(lifted.unflatten(gr), inner_state, None)
+    out = lifted.per_matrix(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
+                            lifted.leaves_of(out_r), bases["l"], bases["r"])
     return out, inner_state

@@ -108,10 +108,10 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
   what = "scale_by_two_sided (RACS)"
 
   def init_fn(params):
-    lv = lifting.Lifted(params, dims, what=what)
+    lifted = lifting.Lifted(params, dims, what=what)
     return ScaleByTwoSidedState(
-        s=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32)),
-        q=lv.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32)))
+        s=lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32)),
+        q=lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m,), jnp.float32)))
 
   def per_matrix(g, s, q):
     s_new, q_new = two_sided_fixed_point(g, iters)
@@ -128,9 +128,10 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
 
   def update_fn(updates, state, params=None):
     del params
-    lv = lifting.Lifted(updates, dims, what=what, canonical=True)
-    res = lv.per_matrix(per_matrix, lv.gcs, lv.flat(state.s), lv.flat(state.q))
+    lifted = lifting.Lifted(updates, dims, what=what, canonical=True)
+    res = lifted.per_matrix(per_matrix, lifted.canonical_grads, lifted.leaves_of(state.s),
+                            lifted.leaves_of(state.q))
     out, s, q = zip(*res) if res else ((), (), ())  # no matrices: nothing to scale
-    return lv.to_leaves(out), ScaleByTwoSidedState(s=lv.un(s), q=lv.un(q))
+    return lifted.to_leaves(out), ScaleByTwoSidedState(s=lifted.unflatten(s), q=lifted.unflatten(q))
 
   return optax.GradientTransformation(init_fn, update_fn)
