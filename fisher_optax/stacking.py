@@ -83,7 +83,8 @@ def plan(tree: Any, dims: matrices.DimsSpec) -> StackPlan:
 def plan_routed(params: Any, labels: Any, dims: matrices.DimsSpec) -> tuple[StackPlan, list]:
   """The plan of the leaves a named optimizer routes to its structured rule (``labels``:
   its ``"structured"``/``"fallback"`` tree over ``params``), and their indices among
-  ``params``' leaves; for :mod:`fisher_optax.parallel.sharding` and :func:`fisher_optax.describe`."""
+  ``params``' leaves; for :mod:`fisher_optax.parallel.sharding` and
+  :func:`fisher_optax.describe`."""
   flat_labels = jax.tree.leaves(labels)
   masked = jax.tree.map(lambda x, lab: x if lab == "structured" else optax.MaskedNode(),
                         params, labels)
