@@ -275,14 +275,17 @@ class _Tracker:
     count = state.count
     first = count == 0
 
-    def refresh(ops):
-      gs, us, qs, key = ops
+    def refresh(operands):
+      gs, us, qs, key = operands
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = grouping.map_grouped(fn, self.items(gs, us, qs, key, count))
+      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count))
       return [o[0] for o in outs], [o[1] for o in outs]
 
-    return jax.lax.cond((count % self.interval) == 0, refresh,
-                        lambda ops: (ops[1], ops[2]),
+    def keep(operands):
+      _, us, qs, _ = operands
+      return us, qs
+
+    return jax.lax.cond((count % self.interval) == 0, refresh, keep,
                         (flat_g, flat_u, flat_q, state.key))
 
   def as_stacks(self, leaves):
@@ -294,7 +297,7 @@ class _Tracker:
     """The canonical gradients' ``[matrices, m, n]`` float32 shapes, from the views."""
     return [jax.ShapeDtypeStruct((v.num_matrices, v.m, v.n), jnp.float32) for v in lifted.views]
 
-  def items(self, gs, us, qs, key, count):
+  def refresh_arguments(self, gs, us, qs, key, count):
     """The refresh's per-leaf arguments: the policy's operand, the basis, the tracked
     state and the random words (:func:`fisher_optax.grouping.map_grouped` items)."""
     operand = grouping.shared(self.policy.operand)
