@@ -3,7 +3,9 @@
 Every test that runs across optimizers reads this module: the names, the small settings
 they run with, the variants some tests need (no random draws, full-rank rotation bases, a
 rank above a leaf's size, no ``dims``) and the settings of their dense float64 references
-(``tests/reference.py``). A test file holds no optimizer settings of its own.
+(``tests/reference.py``). A test that varies a setting on purpose (a rank against a
+paper formula, a longer interval to stop mid-way, decay rates exact in float32) says so
+where it does; the base settings come from here.
 
 Heavy cross-cutting tests (several compilations per optimizer) run on one optimizer per
 family of blocks by default and on all of them with ``-m slow``: :func:`params` marks the
