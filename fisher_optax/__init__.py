@@ -14,8 +14,8 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
 from fisher_optax.blocks import random_project, scale_by_subspace_ratio, RandomProjectState
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
 from fisher_optax.alias import (alice, alice0, alice_soap, apollo, apollo_mini,
-                                     default_leading, eigen_adam, fira, galore,
-                                     inject_hyperparams, muon, racs, shampoo, soap, swan)
+                                default_leading, eigen_adam, fira, galore,
+                                inject_hyperparams, muon, racs, shampoo, soap, swan)
 from fisher_optax.blocks import (ScaleByMomentumState, normalize, scale_by_momentum,
                                  scale_by_shape, whiten)
 from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims
