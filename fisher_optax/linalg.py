@@ -129,3 +129,12 @@ def safe_rsqrt(x: jax.Array) -> jax.Array:
 
 def all_finite(x: jax.Array) -> jax.Array:
   return jnp.all(jnp.isfinite(x))
+
+
+def norm_ratio(coeffs: jax.Array, sigma: jax.Array, kind: str) -> jax.Array:
+  """``||coeffs|| / (||sigma|| + 1e-8)`` per column (``channel``, shape ``batch + (1, n)``)
+  or per matrix (``tensor``, shape ``batch + (1, 1)``)."""
+  axes = (-2,) if kind == "channel" else (-2, -1)
+  num = jnp.sqrt(jnp.sum(jnp.square(coeffs), axis=axes, keepdims=True))
+  den = jnp.sqrt(jnp.sum(jnp.square(sigma), axis=axes, keepdims=True)) + 1e-8
+  return num / den

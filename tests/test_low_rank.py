@@ -1,5 +1,7 @@
 """low_rank_track / on_coefficients / project_back (paper Sec. 5.1)."""
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,10 +112,10 @@ def test_nan_refresh_keeps_previous_basis():
   np.testing.assert_array_equal(np.asarray(s.basis["w"]), before)
 
 
-def _low_rank_updates(*middle, steps=3):
+def _low_rank_updates(*inner, steps=3, between=()):
   track = fo.low_rank_track(rank=3, interval=2, b3=0.9)
-  tx = optax.chain(track, track.on_coefficients(optax.scale_by_adam()), *middle,
-                   fo.project_back())
+  tx = optax.chain(track, track.on_coefficients(optax.chain(optax.scale_by_adam(), *inner)),
+                   *between, fo.project_back())
   p = {"w": jnp.zeros((6, 10))}
   s, out = tx.init(p), []
   step = jax.jit(tx.update)
@@ -123,9 +125,9 @@ def _low_rank_updates(*middle, steps=3):
   return out
 
 
-def test_a_generic_transformation_between_the_ends_sees_only_the_coefficients():
-  """``optax.scale(2)`` between low_rank_track and project_back doubles the update (it
-  does not also scale the basis: 4x), and a clip acts on the coefficients' norm."""
+def test_a_transformation_on_the_coefficients_acts_on_them_only():
+  """``optax.scale(2)`` inside ``on_coefficients`` doubles the update (it does not also
+  scale the basis: 4x), and a clip there acts on the coefficients' norm."""
   plain, doubled = _low_rank_updates(), _low_rank_updates(optax.scale(2.0))
   for a, b in zip(plain, doubled):
     np.testing.assert_allclose(b, 2 * a, rtol=1e-5, atol=1e-7)
@@ -134,6 +136,94 @@ def test_a_generic_transformation_between_the_ends_sees_only_the_coefficients():
     # U has orthonormal columns, so ||U c|| = ||c||: the dense update has the clipped norm
     np.testing.assert_allclose(np.linalg.norm(c), min(np.linalg.norm(a), 1e-3), rtol=1e-4)
     np.testing.assert_allclose(c / np.linalg.norm(c), a / np.linalg.norm(a), atol=1e-5)
+
+
+@pytest.mark.parametrize("between", [optax.scale(2.0), optax.clip_by_global_norm(1.0),
+                                     optax.zero_nans()], ids=["scale", "clip", "zero_nans"])
+def test_a_generic_transformation_between_the_ends_is_refused(between):
+  """Placed bare between the ends, a generic transformation would act on the basis and
+  the gradient too; it is a ``TypeError`` naming the guard (ours says where the
+  transformation belongs; a jitted ``jnp`` function names the guard's type)."""
+  with pytest.raises(TypeError, match="SubspaceGuard"):
+    _low_rank_updates(between=(between,))
+
+
+def _message(track, g):
+  return track.update(g, track.init(jax.tree.map(jnp.zeros_like, g)))
+
+
+def test_the_message_holds_its_arrays_as_pytree_children():
+  """Every array of a ``Subspace`` is a pytree child (nothing in its static metadata):
+  the tree's array leaves are exactly the coefficients, sigma, basis and gradient."""
+  g = {"w": _grads((4, 6), 1)[0]}
+  out, _ = _message(fo.low_rank_track(rank=2), g)
+  node = out["w"]
+  leaves, treedef = jax.tree.flatten(out)
+  arrays = [x for x in leaves if isinstance(x, jax.Array)]
+  assert [a.shape for a in arrays] == [(2, 6), (2, 6), (4, 2), (4, 6)]
+  assert sum(isinstance(x, fo.SubspaceGuard) for x in leaves) == 1
+  for a in jax.tree.leaves(treedef.node_data()):
+    assert not isinstance(a, jax.Array)
+  np.testing.assert_allclose(node.sigma, node.basis.T @ g["w"], rtol=1e-5, atol=1e-6)
+  rebuilt = jax.tree.unflatten(treedef, leaves)
+  assert rebuilt["w"].basis is node.basis and rebuilt["w"].view == node.view
+
+
+def test_a_jit_boundary_between_the_ends_is_refused_with_a_named_error():
+  """``jax.jit`` of the source alone (a prefix of the chain that ends in a ``Subspace``)
+  used to leak the basis's tracer; it is now a ``TypeError`` naming the guard, and the
+  jit of the whole pipeline works."""
+  g = {"w": _grads((4, 6), 1)[0]}
+  track = fo.low_rank_track(rank=2)
+  s = track.init(jax.tree.map(jnp.zeros_like, g))
+  with pytest.raises(TypeError, match="SubspaceGuard"):
+    jax.jit(track.update)(g, s)
+  prefix = optax.chain(track, track.on_coefficients(optax.scale_by_adam()))
+  with pytest.raises(TypeError, match="SubspaceGuard"):
+    jax.jit(prefix.update)(g, prefix.init(g))
+  whole = optax.chain(prefix, fo.project_back())
+  u, _ = jax.jit(whole.update)(g, whole.init(g))
+  assert u["w"].shape == (4, 6) and float(jnp.linalg.norm(u["w"])) > 0
+
+
+def test_lax_cond_between_the_ends_is_refused_and_inside_on_coefficients_works():
+  g = {"w": _grads((4, 6), 1)[0]}
+  track = fo.low_rank_track(rank=2)
+  s = track.init(jax.tree.map(jnp.zeros_like, g))
+
+  def across_the_message(g, s):
+    out, _ = track.update(g, s)
+    out = jax.lax.cond(True, lambda t: t, lambda t: t, out)
+    return fo.project_back().update(out, optax.EmptyState())[0]
+
+  with pytest.raises(TypeError, match="on_coefficients"):
+    jax.jit(across_the_message)(g, s)
+
+  class _Cond(NamedTuple):  # a conditional scaling acting on the coefficients
+    init: Any = lambda p: optax.EmptyState()
+    update: Any = lambda u, st, p=None: (jax.lax.cond(
+        True, lambda t: jax.tree.map(lambda x: 3 * x, t), lambda t: t, u), st)
+
+  plain = fo.in_subspace(track, optax.identity())
+  tripled = fo.in_subspace(track, optax.GradientTransformation(*_Cond()))
+  u1, _ = jax.jit(plain.update)(g, plain.init(g))
+  u3, _ = jax.jit(tripled.update)(g, tripled.init(g))
+  np.testing.assert_allclose(u3["w"], 3 * u1["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_in_subspace_is_the_chain_with_an_inner_optimizer():
+  """``in_subspace(source, inner, end=...)`` equals the explicit chain, for each end."""
+  g = {"w": _grads((6, 10), 1, seed=2)[0]}
+  for end in (None, fo.compensate()):
+    track = fo.low_rank_track(rank=3, interval=2)
+    one = fo.in_subspace(track, optax.adam(1e-2), end=end)
+    chained = optax.chain(track, track.on_coefficients(optax.adam(1e-2)),
+                          end if end is not None else fo.project_back())
+    a, _ = one.update(g, one.init(g))
+    b, _ = chained.update(g, chained.init(g))
+    np.testing.assert_array_equal(a["w"], b["w"])
+  with pytest.raises(ValueError, match="low-rank source"):
+    fo.in_subspace(optax.identity(), optax.adam(1e-2))
 
 
 def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
@@ -156,6 +246,15 @@ def test_on_coefficients_bound_to_its_source_needs_rank_and_dims_once():
     bad.update(g, bad.init(p), p)
 
 
+def _coefficients_and_state(source):
+  """``source.update`` returning the coefficients (arrays) instead of the messages, so it
+  can be jitted on its own."""
+  def run(g, s):
+    out, s = source.update(g, s)
+    return jax.tree.map(lambda m: m.coeffs, out, is_leaf=fo.blocks.subspace.is_subspace), s
+  return run
+
+
 def test_refresh_grouped_by_shape_equals_each_leaf_alone():
   """The refresh serves same-shape matrices of several leaves in one call
   (``grouping.map_grouped``): every leaf's basis and coefficients equal those of the
@@ -167,7 +266,7 @@ def test_refresh_grouped_by_shape_equals_each_leaf_alone():
   rng = np.random.default_rng(0)
   grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
                         params) for _ in range(3)]
-  step = jax.jit(tx.update)
+  step = jax.jit(_coefficients_and_state(tx))
   st = tx.init(params)
   ints = [x for x in jax.tree.leaves(st) if jnp.issubdtype(x.dtype, jnp.integer)]
   assert len(ints) == 1 and ints[0].shape == ()
@@ -178,6 +277,6 @@ def test_refresh_grouped_by_shape_equals_each_leaf_alone():
                               refresh=fo.svd_refresh())
     s1 = alone.init({k: params[k]})
     for g in grads:
-      o1, s1 = jax.jit(alone.update)({k: g[k]}, s1)
+      o1, s1 = jax.jit(_coefficients_and_state(alone))({k: g[k]}, s1)
     np.testing.assert_allclose(st.basis[k], s1.basis[k], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(out[k].coeffs, o1[k].coeffs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[k], o1[k], rtol=1e-5, atol=1e-5)

@@ -2,8 +2,9 @@
 
 from fisher_optax.blocks.compensate import CompensateState, compensate
 from fisher_optax.blocks.limiter import NormGrowthLimiterState, limit_growth, norm_growth_limiter
-from fisher_optax.blocks.low_rank import (LowRankTrackState, OnCoefficientsState, Subspace,
-                                          low_rank_track, on_coefficients, project_back)
+from fisher_optax.blocks.low_rank import LowRankTrackState, low_rank_track
+from fisher_optax.blocks.subspace import (OnCoefficientsState, Subspace, SubspaceGuard,
+                                          in_subspace, on_coefficients, project_back)
 from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMomentsState,
                                          scale_by_bias_correction, scale_by_moments)
 from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch

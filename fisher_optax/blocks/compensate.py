@@ -40,7 +40,7 @@ import optax
 
 from fisher_optax import grouping, linalg, matrices, validation
 from fisher_optax.blocks import limiter as limiter_lib
-from fisher_optax.blocks import low_rank, random_projection
+from fisher_optax.blocks import subspace
 
 
 # Squared relative size below which a residual column counts as 0 (float32 rounding of
@@ -58,7 +58,7 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
                limiter: Optional[float] = 1.01, scale: float = 1.0,
                dims: matrices.DimsSpec = None,
                side: str = "smaller") -> optax.GradientTransformation:
-  """Maps :class:`~fisher_optax.blocks.low_rank.Subspace` nodes to compensated dense updates.
+  """Maps :class:`~fisher_optax.blocks.subspace.Subspace` nodes to compensated dense updates.
 
   Args:
     method: ``"optimal"`` (Alice, Thm. "Optimal compensation") or ``"fira"``.
@@ -72,7 +72,7 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
     side: the side the basis spans, as given to :func:`low_rank_track` (``"larger"``:
       the canonical matrix is ``m >= n`` and ``p`` runs along its smaller side).
   """
-  low_rank.check_side(side)
+  subspace.check_side(side)
   if method not in ("optimal", "fira"):
     raise ValueError(f"`method` must be 'optimal' or 'fira', got {method!r}")
   validation.check_range("b1", b1, low=0.0, high=1.0)
@@ -82,7 +82,7 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
   what = "compensate"
 
   def init_fn(params):
-    lifted = low_rank.lift(params, dims, what, side)
+    lifted = subspace.lift(params, dims, what, side)
     p = None
     if method == "optimal":
       p = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.n,), jnp.float32))
@@ -99,9 +99,9 @@ def compensate(*, method: str = "optimal", alpha_c: float = 1.0, b1: float = 0.9
 
     def one(s, p, phi):
       dense, p_new, phi = arrays(s.grad, s.basis, s.sigma, s.coeffs, p, phi)
-      return low_rank.to_leaf(s, dense), p_new, phi
+      return subspace.to_leaf(s, dense), p_new, phi
 
-    res = jax.tree.map(one, updates, p_tree, state.phi, is_leaf=low_rank.is_subspace)
+    res = jax.tree.map(one, updates, p_tree, state.phi, is_leaf=subspace.is_subspace)
     pick = lambda i: jax.tree.map(lambda _, r: r[i], state.phi, res)
     p = pick(1) if method == "optimal" else None
     return pick(0), CompensateState(p=p, phi=pick(2))
@@ -124,7 +124,7 @@ def _optimal_residual(g, u, sigma, p, b1):
 
 
 def _compensate_arrays(g, u, sigma, coeffs, p, phi, *, method, alpha_c, b1, limiter, scale):
-  """One :class:`~fisher_optax.blocks.low_rank.Subspace`'s arrays (gradient, basis,
+  """One :class:`~fisher_optax.blocks.subspace.Subspace`'s arrays (gradient, basis,
   ``sigma``, coefficients; canonical layout) -> (dense canonical update, ``p``, ``phi``)."""
   m, r = u.shape[-2], u.shape[-1]
   if method == "optimal":
@@ -132,7 +132,7 @@ def _compensate_arrays(g, u, sigma, coeffs, p, phi, *, method, alpha_c, b1, limi
     c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
   else:
     p_new = None
-    c = (g - scale * (u @ sigma)) * random_projection.norm_ratio(coeffs, sigma, "channel")
+    c = (g - scale * (u @ sigma)) * linalg.norm_ratio(coeffs, sigma, "channel")
   c = jnp.where(jnp.isfinite(c), c, 0.0)
   if limiter is not None:
     norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))

@@ -1,16 +1,10 @@
-"""Low-rank tracking (paper Sec. 5.1, Eq. "tracking step") and the subspace glue.
+"""Low-rank tracking (paper Sec. 5.1, Eq. "tracking step").
 
-Data flow of a low-rank chain::
-
-    low_rank_track  ->  on_coefficients(any optax tx)  ->  project_back | compensate
-
-:func:`low_rank_track` replaces every matrix gradient by a :class:`Subspace` node
-carrying ``sigma = U^T G`` (``r x n``), the basis ``U`` (``m x r``) and the
-canonical gradient ``G`` (``m x n``, ``m <= n``: tall matrices are transposed).
-:func:`on_coefficients` runs an optax transformation on the ``coeffs`` of those
-nodes only; :func:`project_back` maps ``U @ coeffs`` back to a dense update in the
-parameter's layout and dtype; :func:`fisher_optax.compensate` does the same plus
-the complement compensation.
+:func:`low_rank_track` replaces every matrix gradient by a
+:class:`~fisher_optax.blocks.subspace.Subspace` carrying ``sigma = U^T G`` (``r x n``),
+the basis ``U`` (``m x r``) and the canonical gradient ``G`` (``m x n``, ``m <= n``:
+tall matrices are transposed); :mod:`fisher_optax.blocks.subspace` has the message,
+:func:`~fisher_optax.on_coefficients` and the ends.
 
 Tracking (Alice): ``Q~_t = b3 Q~_{t-1} + (1 - b3) sigma_t sigma_t^T`` (``r x r``),
 re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``b3=0``
@@ -42,114 +36,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import grouping, lifting, matrices, validation
+from fisher_optax import grouping, matrices, validation
+from fisher_optax.blocks import subspace
 from fisher_optax.blocks import switching as switching_lib
-
-
-class _Context:
-  """The arrays a low-rank chain carries past the transformations between its ends.
-
-  Held as static (identity-compared) pytree metadata of :class:`Subspace`, so that a
-  generic optax transformation placed between :func:`low_rank_track` and
-  :func:`project_back` / :func:`fisher_optax.compensate` sees only the coefficients.
-  """
-
-  __slots__ = ("sigma", "basis", "grad")
-
-  def __init__(self, sigma, basis, grad):
-    self.sigma, self.basis, self.grad = sigma, basis, grad
-
-
-@jax.tree_util.register_pytree_node_class
-class Subspace:
-  """Per-matrix message between low-rank blocks (a pytree node whose only leaf is
-  ``coeffs``).
-
-  Attributes:
-    coeffs: ``batch + (r, n)``: what the transformations between the chain's ends act on
-      (starts as ``sigma``). Any optax transformation placed there sees these and
-      nothing else: ``optax.scale(2)`` doubles the update, ``optax.clip_by_global_norm``
-      clips the coefficients' norm; a stateful one goes in :func:`on_coefficients` (its
-      state needs the coefficient shapes at ``init``).
-    sigma: ``batch + (r, n)``: the raw projected gradient ``U^T G``.
-    basis: ``batch + (m, r)``: the orthonormal basis ``U``.
-    grad: ``batch + (m, n)``: the gradient in canonical layout (float32).
-    view: how to map canonical arrays back to the leaf layout.
-    dtype: the gradient's dtype (dense outputs are cast to it).
-
-  ``sigma``, ``basis`` and ``grad`` live in the node's static metadata for the length of
-  one update: a ``Subspace`` is created and consumed inside one traced step and is not
-  meant to be returned from a ``jax.jit`` of a partial chain.
-  """
-
-  def __init__(self, coeffs, sigma=None, basis=None, grad=None, view=None, dtype=None, *,
-               context: Optional[_Context] = None):
-    self.coeffs = coeffs
-    self._context = context if context is not None else _Context(sigma, basis, grad)
-    self.view, self.dtype = view, dtype
-
-  sigma = property(lambda self: self._context.sigma)
-  basis = property(lambda self: self._context.basis)
-  grad = property(lambda self: self._context.grad)
-
-  def with_coeffs(self, coeffs) -> "Subspace":
-    return Subspace(coeffs, view=self.view, dtype=self.dtype, context=self._context)
-
-  def tree_flatten(self):
-    return (self.coeffs,), (self._context, self.view, self.dtype)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    context, view, dtype = aux
-    return cls(children[0], view=view, dtype=dtype, context=context)
-
-  def __repr__(self):
-    return f"Subspace(coeffs={getattr(self.coeffs, 'shape', self.coeffs)}, view={self.view})"
-
-
-class SubspaceSource(optax.GradientTransformation):
-  """A transformation that emits :class:`Subspace` nodes (:func:`low_rank_track`,
-  :func:`~fisher_optax.random_project`); it knows its ``rank`` and ``dims``, so
-  ``source.on_coefficients(inner)`` needs them no second time::
-
-    track = fo.low_rank_track(rank=8, interval=200)
-    galore_like = optax.chain(track, track.on_coefficients(optax.scale_by_adam()),
-                              fo.project_back())
-  """
-
-  def on_coefficients(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    return on_coefficients(inner, rank=self.rank, dims=self.dims, side=self.side)
-
-
-def subspace_source(init_fn, update_fn, *, rank: int, dims: matrices.DimsSpec,
-                    side: str = "smaller") -> SubspaceSource:
-  out = SubspaceSource(init_fn, update_fn)
-  out.rank, out.dims, out.side = rank, dims, side
-  return out
-
-
-def is_subspace(x: Any) -> bool:
-  return isinstance(x, Subspace)
-
-
-def clipped_rank(rank: int, view: matrices.MatrixView) -> int:
-  """``rank`` clipped to ``min(m, n)`` of one matrix."""
-  return min(int(rank), view.m)
-
-
-SIDES = ("smaller", "larger")
-
-
-def check_side(side: str) -> str:
-  if side not in SIDES:
-    raise ValueError(f"`side` must be one of {SIDES}, got {side!r}")
-  return side
-
-
-def lift(tree, dims, what, side: str = "smaller", canonical: bool = False) -> lifting.Lifted:
-  """The tree lifted with the projected side as rows: ``m <= n`` for ``side="smaller"``
-  (the paper's convention), ``m >= n`` for ``side="larger"``."""
-  return lifting.Lifted(tree, dims, side=side, what=what, canonical=canonical)
 
 
 class LowRankTrackState(NamedTuple):
@@ -165,11 +54,12 @@ class LowRankTrackState(NamedTuple):
 def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
                    refresh: Optional[Any] = None, dims: matrices.DimsSpec = None,
                    state_dtype: Optional[jnp.dtype] = None,
-                   side: str = "smaller") -> "SubspaceSource":
+                   side: str = "smaller") -> subspace.SubspaceSource:
   """Projects each matrix gradient on a tracked rank-``r`` basis (paper Eq. "tracking step").
 
   Every step: ``sigma = U^T G``; if ``b3 > 0``:
-  ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``. Emits :class:`Subspace` nodes.
+  ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``. Emits
+  :class:`~fisher_optax.blocks.subspace.Subspace` nodes.
 
   Args:
     rank: ``r >= 1``; clipped per matrix to ``min(m, n)``.
@@ -184,7 +74,7 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
       (the canonical matrix is then ``m >= n``; :func:`fisher_optax.alice_soap` uses it
       for the right basis of its ``r x n`` coefficients).
   """
-  check_side(side)
+  subspace.check_side(side)
   validation.check_int("rank", rank, low=1)
   rank = validation.static_int("rank", rank)
   validation.check_int("interval", interval, low=1)
@@ -196,7 +86,7 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
   tracker = _Tracker(rank=rank, interval=interval, b3=b3, policy=policy, dims=dims,
                      side=side, sdtype=state_dtype or jnp.float32,
                      has_tracking=not (isinstance(b3, (int, float)) and b3 == 0))
-  return subspace_source(tracker.init, tracker.update, rank=rank, dims=dims, side=side)
+  return subspace.subspace_source(tracker.init, tracker.update, rank=rank, dims=dims, side=side)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -213,10 +103,10 @@ class _Tracker:
   has_tracking: bool
 
   def lift(self, tree, canonical: bool = False):
-    return lift(tree, self.dims, "low_rank_track", self.side, canonical)
+    return subspace.lift(tree, self.dims, "low_rank_track", self.side, canonical)
 
   def init(self, params):
-    lifted, r = self.lift(params), lambda v: clipped_rank(self.rank, v)  # noqa: E731
+    lifted, r = self.lift(params), lambda v: subspace.clipped_rank(self.rank, v)  # noqa: E731
     basis = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, r(v)), self.sdtype))
     tracked = None
     if self.has_tracking:
@@ -243,7 +133,7 @@ class _Tracker:
       if q is not None:
         new_q.append(q)
       new_u.append(u_state)
-      out.append(Subspace(coeffs=sigma, sigma=sigma, basis=u, grad=gc, view=view, dtype=g.dtype))
+      out.append(subspace.Subspace(sigma, sigma, u, gc, view, g.dtype))
     return lifted.unflatten(out), LowRankTrackState(
         count=optax.safe_int32_increment(state.count), basis=lifted.unflatten(new_u),
         tracked=lifted.unflatten(new_q) if self.has_tracking else None, key=state.key)
@@ -332,88 +222,3 @@ def _keep_finite(u_new, u1, q1):
     return u_new, None
   rot = u_new.T @ u1
   return u_new, rot @ q1 @ rot.T
-
-
-
-
-
-class OnCoefficientsState(NamedTuple):
-  """State of :func:`on_coefficients`: the inner transformation's state, shaped like the
-  ``r x n`` subspace coefficients."""
-
-  inner_state: optax.OptState
-
-
-def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
-                    dims: matrices.DimsSpec = None,
-                    side: str = "smaller") -> optax.GradientTransformation:
-  """Runs ``inner`` (e.g. ``optax.scale_by_adam``) on the subspace coefficients.
-
-  ``inner`` sees a tree of ``batch + (r, n)`` arrays (``r`` clipped per matrix)
-  and must not need ``params``. ``rank`` and ``dims`` must equal those given to
-  :func:`low_rank_track` (they define the coefficient shapes at ``init``), and so must
-  ``side``; ``track.on_coefficients(inner)`` (``SubspaceSource``) takes them from
-  the tracking block itself.
-  """
-  check_side(side)
-  validation.check_int("rank", rank, low=1)
-  rank = validation.static_int("rank", rank)
-  what = "on_coefficients"
-
-  def _coeff_like(params):
-    return lift(params, dims, what, side).per_view(
-        lambda v: jnp.zeros(v.batch_shape + (clipped_rank(rank, v), v.n), jnp.float32))
-
-  def init_fn(params):
-    return OnCoefficientsState(inner_state=inner.init(_coeff_like(params)))
-
-  def update_fn(updates, state, params=None):
-    del params
-    def get(s):
-      if not is_subspace(s):
-        raise ValueError("on_coefficients expects the output of low_rank_track, got a "
-                         f"{type(s).__name__} leaf")
-      if s.coeffs.shape[-2] != clipped_rank(rank, s.view):
-        raise ValueError(f"on_coefficients(rank={rank}) does not match the rank "
-                         f"{s.coeffs.shape[-2]} emitted by low_rank_track for a leaf of "
-                         f"shape {s.view.shape}: give both blocks the same `rank`.")
-      return s.coeffs
-
-    coeffs = jax.tree.map(get, updates, is_leaf=is_subspace)
-    new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
-    out = jax.tree.map(lambda s, c: s.with_coeffs(c.astype(jnp.float32)),
-                       updates, new_coeffs, is_leaf=is_subspace)
-    return out, OnCoefficientsState(inner_state=inner_state)
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-@jax.jit
-def _times(a: jax.Array, b: jax.Array) -> jax.Array:
-  return a @ b
-
-
-def dense_low_rank(s: Subspace) -> jax.Array:
-  """``U @ coeffs`` in canonical layout (float32; traced once per shape,
-  :func:`fisher_optax.grouping.shared`)."""
-  return _times(s.basis, s.coeffs)
-
-
-def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
-  """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
-  return lifting.from_canonical_as(canonical, s.view, jnp.dtype(s.dtype))
-
-
-def project_back() -> optax.GradientTransformation:
-  """Maps each :class:`Subspace` to the dense update ``U @ coeffs`` (GaLore's back-projection)."""
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    del params
-    return jax.tree.map(lambda s: to_leaf(s, dense_low_rank(s)), updates,
-                        is_leaf=is_subspace), state
-
-  return optax.GradientTransformation(init_fn, update_fn)

@@ -1,7 +1,7 @@
 """Random projections and norm-ratio gradient scaling: the APOLLO blocks (paper App.
 Alg. "Apollo"; the APOLLO release).
 
-:func:`random_project` emits :class:`~fisher_optax.blocks.low_rank.Subspace` nodes
+:func:`random_project` emits :class:`~fisher_optax.blocks.subspace.Subspace` nodes
 with ``sigma = U^T G`` for a Gaussian ``U`` (``m x r``, entries ``N(0, 1/r)``,
 smaller side) that is *regenerated* every step from the key
 ``fold_in(fold_in(PRNGKey(seed), renewal), matrix)`` (:mod:`fisher_optax.rng`), where
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import grouping, lifting, linalg, matrices, rng, validation
-from fisher_optax.blocks import low_rank
+from fisher_optax.blocks import subspace
 
 
 def random_basis(key: jax.Array, m: int, r: int) -> jax.Array:
@@ -40,7 +40,7 @@ class RandomProjectState(NamedTuple):
 
 
 def random_project(*, rank: int, interval: int = 200, seed: int = 0,
-                   dims: matrices.DimsSpec = None) -> low_rank.SubspaceSource:
+                   dims: matrices.DimsSpec = None) -> subspace.SubspaceSource:
   """Projects each matrix gradient with a seeded Gaussian ``U`` (APOLLO); emits ``Subspace``.
 
   Args:
@@ -69,28 +69,18 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
       firsts.append(firsts[-1] + v.num_matrices)
     indices = [rng.matrix_indices(f, v.batch_shape) for f, v in zip(firsts, lifted.views)]
     # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
-    shapes = [(v.m, low_rank.clipped_rank(rank, v)) for v in lifted.views]
+    shapes = [(v.m, subspace.clipped_rank(rank, v)) for v in lifted.views]
     bases = grouping.vmap_grouped(
         lambda mr: lambda i: random_basis(rng.draw_key(key, renewal, i), *mr), indices, shapes)
     nodes = []
     project = grouping.shared(linalg.project_rows)
     for g, gc, basis, view in zip(lifted.leaves, lifted.canonical_grads, bases, lifted.views):
       sigma = project(basis, gc)
-      nodes.append(low_rank.Subspace(coeffs=sigma, sigma=sigma, basis=basis, grad=gc, view=view,
-                                     dtype=g.dtype))
+      nodes.append(subspace.Subspace(sigma, sigma, basis, gc, view, g.dtype))
     count = optax.safe_int32_increment(state.count)
     return lifted.unflatten(nodes), RandomProjectState(count=count)
 
-  return low_rank.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
-
-
-def norm_ratio(coeffs: jax.Array, sigma: jax.Array, kind: str) -> jax.Array:
-  """``||coeffs|| / (||sigma|| + 1e-8)`` per column (``channel``, shape ``batch + (1, n)``)
-  or per matrix (``tensor``, shape ``batch + (1, 1)``)."""
-  axes = (-2,) if kind == "channel" else (-2, -1)
-  num = jnp.sqrt(jnp.sum(jnp.square(coeffs), axis=axes, keepdims=True))
-  den = jnp.sqrt(jnp.sum(jnp.square(sigma), axis=axes, keepdims=True)) + 1e-8
-  return num / den
+  return subspace.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
 
 
 def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformation:
@@ -105,11 +95,11 @@ def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformati
   def update_fn(updates, state, params=None):
     del params
 
-    scaled = grouping.shared(lambda g, coeffs, sigma: g * norm_ratio(coeffs, sigma, kind))
+    scaled = grouping.shared(lambda g, coeffs, sigma: g * linalg.norm_ratio(coeffs, sigma, kind))
 
     def one(s):
-      return low_rank.to_leaf(s, scaled(s.grad, s.coeffs, s.sigma))
+      return subspace.to_leaf(s, scaled(s.grad, s.coeffs, s.sigma))
 
-    return jax.tree.map(one, updates, is_leaf=low_rank.is_subspace), state
+    return jax.tree.map(one, updates, is_leaf=subspace.is_subspace), state
 
   return optax.GradientTransformation(init_fn, update_fn)
