@@ -1,4 +1,5 @@
-"""Named optimizers: short chains of blocks (as optax builds its aliases from its transforms). No math here.
+"""Named optimizers: short chains of blocks, as optax builds its aliases from its
+transforms. No math here.
 
 Each returns an ``optax.GradientTransformationExtraArgs`` that applies the
 structured rule to the leaves selected by ``mask`` (default: matrices, see
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
 import optax
@@ -127,17 +128,16 @@ def _ex(call: str) -> str:
   return _EXAMPLE.format(call=call)
 
 
-def _block_dims(dims: matrices.DimsSpec, stack_matrices: bool) -> matrices.DimsSpec:
-  """The blocks' ``dims``: under ``stack_matrices`` they see ``(k, fan_in, fan_out)``
-  stacks (the last two axes), otherwise the leaves themselves."""
-  return None if stack_matrices else dims
+def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dims, fallback,
+            weight_decay=None, *, name: str = "structured", rank: Optional[int] = None,
+            stack: bool = False):
+  """Closes a chain: ``blocks(block_dims)``, decoupled weight decay on the structured
+  leaves, then the step size; then the optional stacked layout, ``Auto`` axes under an
+  ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
 
-
-def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=None, *,
-            name: str = "structured", rank: Optional[int] = None, stack: bool = False):
-  """Closes a chain: decoupled weight decay on the structured leaves, then the step size;
-  then the optional stacked layout, ``Auto`` axes under an ``Explicit`` mesh
-  (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
+  ``blocks`` builds the optimizer's blocks for the matrix axes they see: the leaves'
+  own ``dims``, or under ``stack`` (``stack_matrices=True``) the ``(k, fan_in,
+  fan_out)`` stacks of :mod:`fisher_optax.stacking`, whose matrix axes are the last two.
 
   ``W <- W - lr * (direction + weight_decay * W)`` as in ``optax.adamw`` (Loshchilov &
   Hutter's decoupled decay, multiplied by the learning rate and its schedule). The decay
@@ -150,7 +150,8 @@ def _finish(structured: list, learning_rate, mask, dims, fallback, weight_decay=
   # ``None`` (not 0) means no decay, as in optax: then a traced weight decay under
   # ``optax.inject_hyperparams`` gives the same state structure as a Python number
   decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
-  structured = optax.chain(*structured, *decay, optax.scale_by_learning_rate(learning_rate))
+  structured = optax.chain(*blocks(None if stack else dims), *decay,
+                           optax.scale_by_learning_rate(learning_rate))
   if stack:
     structured = stacking.stack_matrices(structured, dims=dims)
   # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes
@@ -192,11 +193,11 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
     eps: relative floor of the scales (``max(s) * eps``).
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=bd)]
-  if limiter is not None:
-    blocks.append(norm_growth_limiter(limiter, dims=bd))
-  blocks.append(optax.scale(alpha))
+  def blocks(bd):
+    limit = [] if limiter is None else [norm_growth_limiter(limiter, dims=bd)]
+    return [scale_by_two_sided(beta=beta, iters=iters, eps=eps, dims=bd), *limit,
+            optax.scale(alpha)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="racs")
 
@@ -280,14 +281,14 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
     state_dtype: dtype of ``U``, ``Q~`` and the moments in the state (default float32;
       decompositions always run in float32).
   """
-  bd = _block_dims(dims, stack_matrices)
   leading = default_leading(rank) if leading is None else leading
-  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
-                              alpha_c=alpha_c, b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps,
-                              seed=seed, dims=bd, state_dtype=state_dtype)
-                 + [optax.scale(alpha)],
-                 learning_rate, mask, dims, fallback,
-                 weight_decay,
+
+  def blocks(bd):
+    return _alice_chain(rank=rank, leading=leading, interval=interval, alpha_c=alpha_c,
+                        b1=b1, b2=b2, b3=b3, limiter=limiter, eps=eps, seed=seed, dims=bd,
+                        state_dtype=state_dtype) + [optax.scale(alpha)]
+
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="alice", rank=rank)
 
 
@@ -328,14 +329,14 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  bd = _block_dims(dims, stack_matrices)
   leading = default_leading(rank) if leading is None else leading
-  return _finish(_alice_chain(rank=rank, leading=leading, interval=interval,
-                              alpha_c=alpha_c, b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps,
-                              seed=seed, dims=bd, state_dtype=state_dtype)
-                 + [optax.scale(alpha)],
-                 learning_rate, mask, dims, fallback,
-                 weight_decay,
+
+  def blocks(bd):
+    return _alice_chain(rank=rank, leading=leading, interval=interval, alpha_c=alpha_c,
+                        b1=b1, b2=b2, b3=0.0, limiter=limiter, eps=eps, seed=seed, dims=bd,
+                        state_dtype=state_dtype) + [optax.scale(alpha)]
+
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="alice0", rank=rank)
 
 
@@ -345,7 +346,8 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                interval: int = 200,
                alpha: float = 0.3, alpha_c: float = 0.4, b1: float = 0.9, b2: float = 0.9,
                b3: float = 0.999, limiter: Optional[float] = 1.01, eps: float = 1e-8,
-               seed: int = 0, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
+               seed: int = 0, weight_decay: Optional[optax.ScalarOrSchedule] = None,
+               mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: bool = False,
                fallback: Optional[optax.GradientTransformation] = None,
@@ -402,7 +404,6 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
     state_dtype: dtype of the bases, tracked statistics and moments in the state
       (default float32; decompositions always run in float32).
   """
-  bd = _block_dims(dims, stack_matrices)
   right_rank = rank if right_rank is None else right_rank
   validation.check_int("right_rank", right_rank, low=1)  # the right chain calls it `rank`
   if leading is None:
@@ -417,9 +418,12 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
   # Alice on the larger side of the r x n coefficients (dims: they are canonical arrays)
   right = _alice_chain(rank=right_rank, seed=seed + 1, dims=None, side="larger",
                        core=moments, **common)
-  blocks = _alice_chain(rank=rank, seed=seed, dims=bd, core=optax.chain(*right), **common)
-  return _finish(blocks + [optax.scale(alpha)], learning_rate, mask, dims, fallback,
-                 weight_decay,
+
+  def blocks(bd):
+    return _alice_chain(rank=rank, seed=seed, dims=bd, core=optax.chain(*right),
+                        **common) + [optax.scale(alpha)]
+
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="alice_soap", rank=rank)
 
 
@@ -460,9 +464,10 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
-      project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
+  def blocks(bd):
+    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
+        project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="galore",
                  rank=rank)
@@ -501,10 +506,11 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
 {common}
     state_dtype: dtype of the state arrays (default float32).
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
-      compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=bd),
-      scale_by_bias_correction(b1, b2)]
+  def blocks(bd):
+    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
+        compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=bd),
+        scale_by_bias_correction(b1, b2)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="fira",
                  rank=rank)
@@ -551,10 +557,11 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
+  def blocks(bd):
+    return [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh="eigh", reexpress=("mu",),
                    max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="eigen_adam")
 
@@ -592,14 +599,16 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     max_precond_dim: sides larger than this are not rotated (``None``: 10000); static.
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
   # rotate calls it `interval`: an error should name the argument the user passed
   validation.check_int("precondition_frequency", precondition_frequency, low=1)
   inner = optax.chain(scale_by_moments(b1, b2, eps), scale_by_bias_correction(b1, b2))
-  blocks = [rotate(inner, sides="both", interval=precondition_frequency,
+
+  def blocks(bd):
+    return [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
                    max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="soap")
 
@@ -631,11 +640,13 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
       static.
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
   validation.check_range("eps", eps, low=0.0, high=float("inf"))  # rotate's `stats_eps`
-  blocks = [rotate(optax.identity(), sides="both", interval=interval, b3=None,
+
+  def blocks(bd):
+    return [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh="eigh", eigenvalue_power=-0.25,
                    stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="shampoo")
 
@@ -658,14 +669,14 @@ shampoo.static_args = ("max_precond_dim",)
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
             dims, stack_matrices, fallback, weight_decay):
   validation.check_range("scale", scale, low=0.0, high=float("inf"))  # used here: sqrt
-  bd = _block_dims(dims, stack_matrices)
-  project = random_project(rank=rank, interval=interval, seed=seed, dims=bd)
-  blocks = [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),
-            scale_by_subspace_ratio(kind)]
-  if limiter is not None:
-    blocks.append(norm_growth_limiter(limiter, dims=bd))
-  blocks += [optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
-             else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
+  def blocks(bd):
+    project = random_project(rank=rank, interval=interval, seed=seed, dims=bd)
+    limit = [] if limiter is None else [norm_growth_limiter(limiter, dims=bd)]
+    return [project, project.on_coefficients(scale_by_moments(b1, b2, eps)),
+            scale_by_subspace_ratio(kind), *limit,
+            optax.scale(math.sqrt(scale)) if isinstance(scale, (int, float))
+            else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  name="apollo" if kind == "channel" else "apollo_mini", rank=rank,
                  stack=stack_matrices)
@@ -778,10 +789,11 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
     eps: floor of the normalizations.
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = [normalize(axis="rows", center=True, eps=eps, dims=bd),
+  def blocks(bd):
+    return [normalize(axis="rows", center=True, eps=eps, dims=bd),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=bd),
             scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="swan")
 
@@ -818,10 +830,11 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
     eps: floor of the Newton--Schulz normalization.
 {common}
   """
-  bd = _block_dims(dims, stack_matrices)
-  blocks = [scale_by_momentum(beta, nesterov=nesterov),
+  def blocks(bd):
+    return [scale_by_momentum(beta, nesterov=nesterov),
             whiten(steps=steps, coeffs=coeffs, eps=eps, dims=bd),
             scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
+
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  stack=stack_matrices, name="muon")
 

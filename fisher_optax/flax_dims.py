@@ -2,8 +2,9 @@
 
 ``fo.flax_dims(model)`` returns a rule that maps a tree shaped like
 ``nnx.state(model, nnx.Param)`` to how each parameter is a matrix
-(:class:`~fisher_optax.MatrixDims`) or that it is none (:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to
-their fallback). Pass it as ``dims=`` to any named optimizer::
+(:class:`~fisher_optax.MatrixDims`) or that it is none
+(:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to their fallback).
+Pass it as ``dims=`` to any named optimizer::
 
     tx = fo.alice(1e-2, dims=fo.flax_dims(model))
 

@@ -9,15 +9,15 @@ concatenated along the stack axis (mixed dtypes promote); the results are split,
 brought back to each leaf's layout and cast to its dtype. Every block maps its
 per-matrix mathematics over a stack (``Lifted.per_matrix``), so the update of each
 matrix is the one it gets unstacked; what changes is the layout of the state (one
-``[k, ...]`` array per group instead of one per leaf, plus the int32 offsets where the
-split cuts, :func:`unstack`) and, for methods that draw random numbers per matrix
-(switching, APOLLO's projections), which draws each matrix gets.
+``[k, ...]`` array per group instead of one per leaf) and, for methods that draw random
+numbers per matrix (switching, APOLLO's projections), which draws each matrix gets.
 
 Why: XLA compiles a leaf-by-leaf update into one subgraph per leaf (HLO passes and
-distinct kernels grow with depth: RACS on the 130M LLaMA's 85 matrices compiles in ~8x
-Adam's time on CPU); over stacks it compiles one subgraph per group, as for a model
-that stacks its layers (``nnx.scan``). The named optimizers expose it as
-``stack_matrices=True``.
+distinct kernels grow with depth); over stacks it compiles one subgraph per group, as
+for a model that stacks its layers (``nnx.scan``). The named optimizers expose it as
+``stack_matrices=True`` (their ``_finish`` applies :func:`stack_matrices`); the state's
+owners under that layout (:func:`stacks_of`) are what
+:func:`fisher_optax.state_partition_specs` and :func:`fisher_optax.describe` read.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fisher_optax import grouping, lifting, matrices, routing
@@ -54,12 +55,10 @@ def group_name(path: Any, view: matrices.MatrixView) -> str:
   ``layers_0/...``, fall into one group), then its matrix size ``fan_in x fan_out``.
 
   Grouping by path as well as size keeps each stack to one parameter of every layer,
-  as in a model that stacks its layers: merging all same-size matrices into one stack
-  (``q``, ``k``, ``v``, ``o`` together) compiled slower (RACS on the 130M LLaMA: 1.35 s
-  against 0.8 s on an idle 2-core CPU): XLA:CPU compiles identical kernels once, and the
-  groups of one parameter per layer have identical shapes, so theirs are shared, while one
-  big stack's slices (one per member, each at its own offset) are all different. Any
-  grouping gives the same per-matrix updates."""
+  as in a model that stacks its layers: the groups of one parameter per layer have
+  identical shapes, so XLA shares their kernels, while one big stack of all same-size
+  matrices (``q``, ``k``, ``v``, ``o`` together) would cut each member at its own offset.
+  Any grouping gives the same per-matrix updates."""
   return re.sub(r"\d+", "*", routing.path_to_str(path)) + f" {view.fan_in}x{view.fan_out}"
 
 
@@ -89,6 +88,50 @@ def plan_routed(params: Any, labels: Any, dims: matrices.DimsSpec) -> tuple[Stac
   masked = jax.tree.map(lambda x, lab: x if lab == "structured" else optax.MaskedNode(),
                         params, labels)
   return plan(masked, dims), [i for i, lab in enumerate(flat_labels) if lab == "structured"]
+
+
+class Stack(NamedTuple):
+  """One stack of a named optimizer built with ``stack_matrices=True``: its ``name``
+  (:func:`group_name`, the key of its state), ``shape`` ``(k, fan_in, fan_out)`` and
+  ``members``, ``(leaf index among the parameters' leaves, matrix view)`` in order."""
+  name: str
+  shape: tuple
+  members: list
+
+
+def is_stacked(tx: Any) -> bool:
+  """Whether ``tx`` is a named optimizer built with ``stack_matrices=True``."""
+  return (isinstance(tx, routing.RoutedTransformation)
+          and bool(tx.info.get("stack_matrices")))
+
+
+def stacks_of(params: Any, labels: Any, dims: matrices.DimsSpec) -> list:
+  """The :class:`Stack` s such a named optimizer makes of ``params`` (``labels``: its
+  routing labels over them): the owners of its structured rule's state."""
+  p, index = plan_routed(params, labels, dims)
+  out = []
+  for name, members in p.groups.items():
+    views = [p.views[j] for j in members]
+    shape = (sum(v.num_matrices for v in views), views[0].fan_in, views[0].fan_out)
+    out.append(Stack(name, shape, [(index[j], p.views[j]) for j in members]))
+  return out
+
+
+def state_numbers_by_member(state: Any, stacks: list) -> dict:
+  """``{leaf index: numbers}``: the numbers of each stack's state (every array under a
+  key named like the stack) shared among its member leaves in proportion to their
+  matrices (every matrix of a stack holds the same state)."""
+  per_stack = {s.name: 0 for s in stacks}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)
+                 and k.key in per_stack), None)
+    if name is not None:
+      per_stack[name] += int(np.prod(getattr(leaf, "shape", ())))
+  out: dict = {}
+  for s in stacks:
+    for i, view in s.members:
+      out[i] = out.get(i, 0) + per_stack[s.name] * view.num_matrices // s.shape[0]
+  return out
 
 
 def stack(p: StackPlan, tree: Any) -> dict:

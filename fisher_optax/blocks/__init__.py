@@ -1,4 +1,5 @@
-"""Building blocks: one module per structural approximation (docs: "Building blocks and composition")."""
+"""Building blocks: one module per structural approximation (docs: "Building blocks and
+composition")."""
 
 from fisher_optax.blocks.compensate import CompensateState, compensate
 from fisher_optax.blocks.limiter import NormGrowthLimiterState, limit_growth, norm_growth_limiter

@@ -86,7 +86,8 @@ def scale_by_bias_correction(b1: float = 0.9, b2: float = 0.999) -> optax.Gradie
     del params
     count = optax.safe_int32_increment(state.count)
     t = count.astype(jnp.float32)
-    factor = jnp.sqrt(1 - jnp.asarray(b2, jnp.float32) ** t) / (1 - jnp.asarray(b1, jnp.float32) ** t)
+    decay1, decay2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+    factor = jnp.sqrt(1 - decay2 ** t) / (1 - decay1 ** t)
     out = jax.tree.map(lambda u: lifting.cast_like(u * factor, u.dtype), updates)
     return out, ScaleByBiasCorrectionState(count=count)
 

@@ -4,7 +4,9 @@ block that makes a dense update again.
 
 Data flow of a low-rank chain::
 
-    source  ->  on_coefficients(any optax tx)  ->  project_back | compensate | scale_by_subspace_ratio
+    source  ->  on_coefficients(any optax tx)  ->  end
+
+(the end: project_back, compensate or scale_by_subspace_ratio)
 
 A source replaces every matrix gradient ``G`` (canonical layout, ``m x n``) by a
 :class:`Subspace` holding the projected gradient ``sigma = U^T G`` (``r x n``), the

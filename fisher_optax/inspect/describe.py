@@ -105,7 +105,7 @@ def describe(tx: Any, params: Any) -> Description:
   seen = _routing_by_path(found)
   counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat])
   for rec in found:
-    if rec.routed.info.get("stack_matrices"):
+    if stacking.is_stacked(rec.routed):
       _add_stacked_state(counts, rec, paths)
   notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
   rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other" if found
@@ -157,19 +157,10 @@ def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: 
 
 def _add_stacked_state(counts: list, rec: routing.RoutedInit, paths: list) -> None:
   """Under ``stack_matrices=True``: each stack's state numbers go to its member leaves
-  in proportion to their matrices (every matrix of a stack holds the same state)."""
-  plan, index = stacking.plan_routed(rec.params, rec.labels, rec.routed.dims)
+  (:func:`fisher_optax.stacking.state_numbers_by_member`)."""
+  stacks = stacking.stacks_of(rec.params, rec.labels, rec.routed.dims)
   inner_paths = [routing.path_to_str(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(rec.params)[0]]
   outer = {p: i for i, p in enumerate(paths)}
-  per_group = dict.fromkeys(plan.groups, 0)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(rec.state)[0]:
-    name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)
-                 and k.key in per_group), None)
-    if name is not None:
-      per_group[name] += int(math.prod(getattr(leaf, "shape", ())))
-  for name, members in plan.groups.items():
-    total = sum(plan.views[j].num_matrices for j in members)
-    for j in members:
-      counts[outer[inner_paths[index[j]]]] += (per_group[name] * plan.views[j].num_matrices
-                                               // total)
+  for i, numbers in stacking.state_numbers_by_member(rec.state, stacks).items():
+    counts[outer[inner_paths[i]]] += numbers

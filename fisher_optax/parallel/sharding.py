@@ -1,4 +1,5 @@
-"""Optimizer-state ``PartitionSpec``s from the parameters' specs (docs: "Sharding and multi-host training").
+"""Optimizer-state ``PartitionSpec``s from the parameters' specs (docs: "Sharding and
+multi-host training").
 
 :func:`state_partition_specs` returns, for any optax transformation built from
 fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
@@ -155,8 +156,8 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
   d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
   by_path = {tuple(path): (leaf.shape, spec, d)
              for (path, leaf), spec, d in zip(p_leaves, s_leaves, d_leaves)}
-  if isinstance(tx, routing.RoutedTransformation) and tx.info.get("stack_matrices"):
-    by_path.update(_stacked_params(tx, params, s_leaves, dims))
+  if stacking.is_stacked(tx):
+    by_path.update(_stack_owners(stacking.stacks_of(params, tx.labels(params), dims), s_leaves))
   max_len = max((len(k) for k in by_path), default=0)
 
   roles = field_roles(state_shapes)
@@ -174,21 +175,18 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
   return jax.tree_util.tree_map_with_path(spec_for, state_shapes)
 
 
-def _stacked_params(tx, params, spec_leaves, dims) -> dict:
+def _stack_owners(stacks: list, spec_leaves: list) -> dict:
   """Under ``stack_matrices=True`` the structured rule's state belongs to stacks
-  ``(k, fan_in, fan_out)`` named by group (:mod:`fisher_optax.stacking`): each is a
-  virtual parameter, its matrix axes sharded like its members' (where they all agree),
-  its stack axis replicated."""
-  plan, index = stacking.plan_routed(params, tx.labels(params), dims)
+  ``(k, fan_in, fan_out)`` (:func:`fisher_optax.stacking.stacks_of`): each is a virtual
+  parameter, its matrix axes sharded like its members' (where they all agree), its stack
+  axis replicated."""
   out = {}
-  for name, members in plan.groups.items():
-    views = [plan.views[j] for j in members]
-    entries = [_spec_entries(spec_leaves[index[j]], len(v.shape)) for j, v in zip(members, views)]
-    rows = {e[v.rows[0]] for e, v in zip(entries, views)}
-    cols = {e[v.cols[0]] for e, v in zip(entries, views)}
-    shape = (sum(v.num_matrices for v in views), views[0].fan_in, views[0].fan_out)
+  for s in stacks:
+    entries = [(_spec_entries(spec_leaves[i], len(v.shape)), v) for i, v in s.members]
+    rows = {e[v.rows[0]] for e, v in entries}
+    cols = {e[v.cols[0]] for e, v in entries}
     spec = P(None, rows.pop() if len(rows) == 1 else None, cols.pop() if len(cols) == 1 else None)
-    out[(jax.tree_util.DictKey(name),)] = (shape, spec, matrices.MatrixDims())
+    out[(jax.tree_util.DictKey(s.name),)] = (s.shape, spec, matrices.MatrixDims())
   return out
 
 
