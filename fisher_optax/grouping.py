@@ -7,13 +7,15 @@ shape serves every layer (compile time flat in depth) and splits the results bac
 :func:`vmap_grouped` does the same for per-element functions such as random draws.
 
 Every note on XLA:CPU code generation that shapes these helpers is here, with its measured
-effect; the blocks above hold only their mathematics.
+effect; the blocks above hold only their mathematics. The one such device a block sees is
+the optional ``counter`` argument (its step counter, passed as is): see :func:`cut`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +51,38 @@ def vmap_grouped_starts(shapes: Sequence[Sequence[int]], groups: Sequence[Any]) 
   return starts
 
 
+def cut(x: jax.Array, start: int, size: int, counter: Optional[jax.Array] = None
+        ) -> jax.Array:
+  """``x[start:start + size]`` along the first axis (static ``start`` and ``size``).
+
+  ``counter``: optionally a run-time int32 scalar that is never negative (a block's step
+  counter). The cut is then a ``dynamic_slice`` at ``start + min(counter, 0)``, the same
+  offset read at run time; without it, a static slice.
+
+  XLA:CPU note. A slice at a constant offset, fused with its neighbours, compiles into a
+  kernel of its own per offset (the split of a grouped result cuts one per member leaf);
+  a ``dynamic_slice`` at a run-time offset shares one kernel per size. XLA cannot fold
+  ``min(counter, 0)``, so the offsets stay run-time values. Measured on the 60M LLaMA
+  tree (``benchmarks/step_time.py --compile-only``; optimized HLO of GaLore's update: 68
+  static slices become 60 dynamic slices): GaLore's update compiles in 2.15 s instead of
+  3.0 s (``optax.adam``: ~0.9 s); the values, step time on accelerators and the
+  mathematics are unchanged.
+  """
+  if start == 0 and size == x.shape[0]:
+    return x
+  if counter is None:
+    return jax.lax.slice_in_dim(x, start, start + size)
+  return _take(x, start + jnp.minimum(counter, 0), size)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _take(x: jax.Array, start: jax.Array, size: int) -> jax.Array:
+  """``x[start:start + size]`` at a run-time ``start`` (traced once per shape)."""
+  return jax.lax.dynamic_slice_in_dim(x, start, size)
+
+
 def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence[jax.Array],
-                 groups: Sequence[Any]) -> list:
+                 groups: Sequence[Any], *, counter: Optional[jax.Array] = None) -> list:
   """``fn(group)`` (a function of one element) over every element of every ``args[i]``,
   one ``vmap`` call per distinct static ``groups[i]`` (e.g. an output shape).
 
@@ -60,7 +92,7 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
   drawing leaf by leaf makes compile time grow with depth; grouped, it grows with the
   number of distinct shapes.
 
-  The results are split with static slices (see :func:`map_grouped`).
+  The results are split back with :func:`cut` (``counter``: see there).
   """
   out: list = [None] * len(args)
   starts = vmap_grouped_starts([jnp.shape(a) for a in args], groups)
@@ -69,7 +101,7 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
     res = jax.vmap(fn(key))(flat)
     for i in idx:
       size = math.prod(jnp.shape(args[i]))
-      part = res if len(idx) == 1 else res[starts[i]:starts[i] + size]
+      part = cut(res, starts[i], size, counter)
       out[i] = jnp.reshape(part, jnp.shape(args[i]) + res.shape[1:])
   return out
 
@@ -108,7 +140,7 @@ def group_starts(items: list) -> list:
   return starts
 
 
-def map_grouped(fn, items: list) -> list:
+def map_grouped(fn, items: list, *, counter: Optional[jax.Array] = None) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -118,19 +150,8 @@ def map_grouped(fn, items: list) -> list:
   decomposition call, which keeps compile time flat in depth); the results are split
   back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
 
-  The results are split back with static slices.
+  The results are split back with :func:`cut` (``counter``: see there).
   """
-  # XLA:CPU note. A slice at a constant offset, fused with its neighbours, becomes a
-  # kernel of its own per offset; dynamic_slice at offsets that are run-time parameters
-  # shares one kernel per size. Offsets formed inside the step (constants behind
-  # lax.optimization_barrier, or built from the step count) are folded back into
-  # constants: only offsets held in the optimizer state avoided the per-offset kernels,
-  # and the state holds statistics only. Measured effect of dropping the state-held
-  # offsets, 60M LLaMA tree, `benchmarks/step_time.py --compile-only`, two rounds of two
-  # each against the previous code on the same machine: Alice's update compiles in
-  # 5.9-7.0 s instead of 4.2-4.6 s (optax.adam: ~1 s), APOLLO-mini's in 3.5-4.2 s instead
-  # of 3.3-3.5 s. A CPU code-generation cost only; step time and the mathematics are
-  # unchanged.
   out = [None] * len(items)
   starts = group_starts(items)
   for members in _groups(items):
@@ -144,5 +165,5 @@ def map_grouped(fn, items: list) -> list:
       continue
     for j in members:
       size = _stack_size(items[j])
-      out[j] = jax.tree.map(lambda o, s=starts[j], z=size: o[s:s + z], res)
+      out[j] = jax.tree.map(lambda o, s=starts[j], z=size: cut(o, s, z, counter), res)
   return out

@@ -16,7 +16,18 @@ import jax.numpy as jnp
 def draw_key(key: jax.Array, refresh: jax.Array, matrix: jax.Array) -> jax.Array:
   """The key of ``matrix``'s draw at ``refresh``: ``fold_in(fold_in(key, refresh),
   matrix)`` (``key`` a ``jax.random.PRNGKey``; integers may be traced)."""
-  return jax.random.fold_in(jax.random.fold_in(key, refresh), matrix)
+  return matrix_key(refresh_key(key, refresh), matrix)
+
+
+def refresh_key(key: jax.Array, refresh: jax.Array) -> jax.Array:
+  """``fold_in(key, refresh)``: the first half of :func:`draw_key`, shared by every matrix
+  of one refresh (formed once, outside the per-matrix draws)."""
+  return jax.random.fold_in(key, refresh)
+
+
+def matrix_key(refresh_key_: jax.Array, matrix: jax.Array) -> jax.Array:
+  """``fold_in(refresh_key, matrix)``: :func:`draw_key` from :func:`refresh_key`."""
+  return jax.random.fold_in(refresh_key_, matrix)
 
 
 def matrix_indices(first: int, batch_shape: tuple) -> jax.Array:
@@ -32,5 +43,6 @@ def words(key: jax.Array, refresh: jax.Array, num_matrices: int, width: int) -> 
   """``(num_matrices, width)`` uint32 words: row ``j`` is ``jax.random.bits`` of
   :func:`draw_key` ``(key, refresh, j)``, all rows in one vmapped draw."""
   rows = jnp.arange(num_matrices, dtype=jnp.uint32)
-  return jax.vmap(lambda j: jax.random.bits(draw_key(key, refresh, j), (width,),
+  at_refresh = refresh_key(key, refresh)
+  return jax.vmap(lambda j: jax.random.bits(matrix_key(at_refresh, j), (width,),
                                             jnp.uint32))(rows)

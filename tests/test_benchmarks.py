@@ -122,3 +122,25 @@ def test_train_throughput_benchmark_runs_on_tiny():
   assert abs(row["ratio_to_adam"] - row["tokens_per_s"] / rows["adam"]["tokens_per_s"]) < 1e-9
   assert 0 < row["ratio_to_adam"] < 100 and row["compile_s"] > 0
   assert row["interval"] == 1 and row["amortised_ratio_to_adam"] > 0  # RACS: no refresh
+
+
+@pytest.mark.example
+def test_update_trace_compares_runs(tmp_path):
+  """Two recordings of the same code compare equal (exit 0); a changed update is reported
+  as ``DIFFERS`` with exit 1."""
+  script = str(ROOT / "benchmarks" / "update_trace.py")
+  a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+  for out in (a, b):
+    subprocess.run([sys.executable, script, "--steps", "3", "--out", str(out)], check=True,
+                   cwd=ROOT)
+  same = subprocess.run([sys.executable, script, "--compare", str(a), str(b)],
+                        capture_output=True, text=True, cwd=ROOT)
+  assert same.returncode == 0 and "DIFFERS" not in same.stdout
+  assert same.stdout.count(" ok") == 11
+  changed = dict(np.load(a))
+  changed["galore/2/square"] = changed["galore/2/square"] * (1 + 1e-3)
+  np.savez(b, **changed)
+  diff = subprocess.run([sys.executable, script, "--compare", str(a), str(b)],
+                        capture_output=True, text=True, cwd=ROOT)
+  assert diff.returncode == 1
+  assert [line.split()[0] for line in diff.stdout.splitlines() if "DIFFERS" in line] == ["galore"]

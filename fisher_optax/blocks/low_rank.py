@@ -168,7 +168,8 @@ class _Tracker:
     def refresh(operands):
       gs, us, qs, key = operands
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count))
+      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count),
+                                  counter=count)
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
@@ -206,7 +207,7 @@ class _Tracker:
     words = switching_lib.refresh_noise(key, count, sum(rows), max(sizes))
     out, start = [], 0
     for n, size in zip(rows, sizes):
-      out.append(words[start:start + n, :max(size, 1)])
+      out.append(grouping.cut(words, start, n, count)[:, :max(size, 1)])
       start += n
     return out
 

@@ -62,8 +62,7 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
   def update_fn(updates, state, params=None):
     del params
     lifted = lifting.Lifted(updates, dims, side="smaller", what=what, canonical=True)
-    key = jax.random.PRNGKey(seed)
-    renewal = state.count // interval
+    renewal_key = rng.refresh_key(jax.random.PRNGKey(seed), state.count // interval)
     firsts = [0]
     for v in lifted.views:
       firsts.append(firsts[-1] + v.num_matrices)
@@ -71,7 +70,8 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
     shapes = [(v.m, subspace.clipped_rank(rank, v)) for v in lifted.views]
     bases = grouping.vmap_grouped(
-        lambda mr: lambda i: random_basis(rng.draw_key(key, renewal, i), *mr), indices, shapes)
+        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices, shapes,
+        counter=state.count)
     nodes = []
     project = grouping.shared(linalg.project_rows)
     for g, gc, basis, view in zip(lifted.leaves, lifted.canonical_grads, bases, lifted.views):
