@@ -20,8 +20,6 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import linalg
-
 
 def vmap_batch(fn: Callable[..., Any], nbatch: int) -> Callable[..., Any]:
   """Maps ``fn`` (written for one matrix) over ``nbatch`` leading batch axes."""
@@ -57,17 +55,15 @@ def cut(x: jax.Array, start: int, size: int, counter: Optional[jax.Array] = None
 
   ``counter``: optionally a run-time int32 scalar that is never negative (a block's step
   counter). The cut is then a ``dynamic_slice`` at ``start + min(counter, 0)``, the same
-  offset read at run time; without it, a static slice.
-
-  XLA:CPU note. A slice at a constant offset, fused with its neighbours, compiles into a
-  kernel of its own per offset (the split of a grouped result cuts one per member leaf);
-  a ``dynamic_slice`` at a run-time offset shares one kernel per size. XLA cannot fold
-  ``min(counter, 0)``, so the offsets stay run-time values. Measured on the 60M LLaMA
-  tree (``benchmarks/step_time.py --compile-only``; optimized HLO of GaLore's update: 68
-  static slices become 60 dynamic slices): GaLore's update compiles in 2.15 s instead of
-  3.0 s (``optax.adam``: ~0.9 s); the values, step time on accelerators and the
-  mathematics are unchanged.
+  offset read at run time; without it, a static slice. Same values either way.
   """
+  # XLA:CPU note. A slice at a constant offset, fused with its neighbours, compiles into a
+  # kernel of its own per offset (the split of a grouped result cuts one per member
+  # leaf); a dynamic_slice at a run-time offset shares one kernel per size. XLA cannot
+  # fold min(counter, 0), so the offsets stay run-time values. Measured on the 60M LLaMA
+  # tree (optimized HLO of GaLore's update: 68 static slices become 60 dynamic slices):
+  # the update compiles in 2.15 s instead of 3.0 s (optax.adam: ~0.9 s). The values,
+  # the mathematics and accelerator step time are unchanged.
   if start == 0 and size == x.shape[0]:
     return x
   if counter is None:
@@ -87,13 +83,14 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
   one ``vmap`` call per distinct static ``groups[i]`` (e.g. an output shape).
 
   Returns, per leaf, an array of shape ``args[i].shape + out_shape``, equal to
-  ``vmap``-ing ``fn(groups[i])`` over that leaf alone. For per-matrix random draws:
-  a threefry hash compiles into one large kernel (~0.2 s of XLA:CPU compile each), so
-  drawing leaf by leaf makes compile time grow with depth; grouped, it grows with the
-  number of distinct shapes.
+  ``vmap``-ing ``fn(groups[i])`` over that leaf alone (e.g. per-matrix random draws:
+  one draw call per shape instead of one per leaf).
 
   The results are split back with :func:`cut` (``counter``: see there).
   """
+  # XLA:CPU note: a threefry hash compiles into one large kernel (~0.2 s of compile
+  # each), so drawing leaf by leaf made compile time grow with depth; grouped, it grows
+  # with the number of distinct shapes.
   out: list = [None] * len(args)
   starts = vmap_grouped_starts([jnp.shape(a) for a in args], groups)
   for key, idx in _members(groups).items():
@@ -140,13 +137,28 @@ def group_starts(items: list) -> list:
   return starts
 
 
+def map_matrices(fn, *args):
+  """``fn`` (written for one matrix) over the leading axis of its arguments (arrays or None).
+
+  Serves a stack of same-shape matrices (e.g. every layer's ``q_proj``) with one
+  decomposition per stack: batched (``vmap``: one batched eigh/QR/SVD kernel) on
+  GPU/TPU, a sequential ``lax.map`` (one loop body, compiled once) on CPU. On CPU
+  jaxlib's batched LAPACK kernels split the batch over the intra-op thread pool and
+  block on it; inside a conditional with two or more host devices
+  (``--xla_force_host_platform_device_count``) that starves the pool and deadlocks
+  (reproduced with jax 0.10 on 2 cores).
+  """
+  return jax.lax.platform_dependent(
+      *args, cpu=lambda *a: jax.lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
+
+
 def map_grouped(fn, items: list, *, counter: Optional[jax.Array] = None) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
   of ``b_i`` matrices; ``b_i`` may differ between items) or ``None``. Items whose
   arguments have the same shapes are concatenated along the stack axis and served by one
-  :func:`fisher_optax.linalg.map_matrices` call (every layer's ``q_proj`` becomes one
+  :func:`map_matrices` call (every layer's ``q_proj`` becomes one
   decomposition call, which keeps compile time flat in depth); the results are split
   back. Returns, per item, ``fn``'s output pytree with a leading axis ``b_i``.
 
@@ -159,7 +171,7 @@ def map_grouped(fn, items: list, *, counter: Optional[jax.Array] = None) -> list
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))]
-    res = linalg.map_matrices(fn, *cat)
+    res = map_matrices(fn, *cat)
     if len(members) == 1:
       out[members[0]] = res
       continue

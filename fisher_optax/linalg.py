@@ -16,21 +16,6 @@ import jax.numpy as jnp
 f32 = jnp.float32
 
 
-def map_matrices(fn, *args):
-  """``fn`` (written for one matrix) over the leading axis of its arguments (arrays or None).
-
-  Serves a stack of same-shape matrices (e.g. every layer's ``q_proj``) with one
-  decomposition per stack: batched (``vmap``: one batched eigh/QR/SVD kernel) on
-  GPU/TPU, a sequential ``lax.map`` (one loop body, compiled once) on CPU. On CPU
-  jaxlib's batched LAPACK kernels split the batch over the intra-op thread pool and
-  block on it; inside a conditional with two or more host devices
-  (``--xla_force_host_platform_device_count``) that starves the pool and deadlocks
-  (reproduced with jax 0.10 on 2 cores).
-  """
-  return jax.lax.platform_dependent(
-      *args, cpu=lambda *a: jax.lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
-
-
 # Products with a vector are written as broadcast-multiply-reduce, not ``@``: the same
 # arithmetic, memory-bound on every backend either way. XLA:CPU compiles every ``dot``
 # instruction into an LLVM module of its own (~40 ms each), while identical reduce

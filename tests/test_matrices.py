@@ -66,8 +66,8 @@ def test_map_grouped_serves_each_shape_once_and_splits_back():
 
 def test_map_grouped_equals_each_item_alone():
   """Items grouped by shape give what ``fn`` gives on each item alone; ``group_starts``
-  are the items' offsets in their group."""
-  from fisher_optax import linalg
+  are the items' offsets in their group; cutting at run-time offsets (``counter``, a
+  step counter) gives the same arrays as static slices."""
   rng = np.random.default_rng(0)
   items = [(jnp.asarray(rng.normal(size=(b, 3, 4)), jnp.float32),
             jnp.asarray(rng.normal(size=(b, 3)), jnp.float32)) for b in (2, 1, 3)]
@@ -77,8 +77,13 @@ def test_map_grouped_equals_each_item_alone():
   assert grouping.group_starts(jax.eval_shape(lambda: items)) == [0, 0, 2, 3]
   got = jax.jit(lambda its: grouping.map_grouped(fn, its))(items)
   for item, g in zip(items, got):
-    for a, b in zip(linalg.map_matrices(fn, *item), g):
+    for a, b in zip(grouping.map_matrices(fn, *item), g):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  for count in (0, 7):
+    cut = jax.jit(lambda its, c: grouping.map_grouped(fn, its, counter=c))(
+        items, jnp.int32(count))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(cut)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_map_stateless_casts_saturating():
@@ -119,6 +124,11 @@ def test_vmap_grouped_starts_are_offsets_within_each_group():
   got = jax.jit(lambda *a: grouping.vmap_grouped(
       lambda mr: lambda s: rp.random_basis(jax.random.PRNGKey(s), *mr), a, shapes))(*seeds)
   np.testing.assert_allclose(got[3], rp.random_basis(jax.random.PRNGKey(11), 4, 2), rtol=1e-6)
+  at_run_time = jax.jit(lambda c, *a: grouping.vmap_grouped(
+      lambda mr: lambda s: rp.random_basis(jax.random.PRNGKey(s), *mr), a, shapes,
+      counter=c))(jnp.int32(3), *seeds)
+  for a, b in zip(got, at_run_time):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():

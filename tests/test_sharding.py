@@ -325,7 +325,7 @@ print("ok")
 def test_refreshes_of_same_shape_matrices_do_not_deadlock_on_two_host_devices():
   """Regression: batched LAPACK eigh inside a conditional deadlocked XLA:CPU with >= 2 host
   devices (jax 0.10, 2 cores; the stacked refresh hung in ~60% of runs). Refreshes now
-  go through ``linalg.map_matrices`` (sequential on CPU)."""
+  go through ``grouping.map_matrices`` (sequential on CPU)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   out = subprocess.run([sys.executable, "-c", _REFRESH_ON_TWO_DEVICES], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=300)

@@ -35,7 +35,7 @@ rotations per side, all batched matmuls. Every refresh of the tree sits in one
 permutation of the inner state, so ordinary steps do no basis arithmetic; inside
 it the statistics of equal size (across leaves, stack entries and sides) are
 stacked and served by one decomposition call per size
-(:func:`fisher_optax.linalg.map_matrices`).
+(:func:`fisher_optax.grouping.map_matrices`).
 
 State of ``inner`` on a basis change (explicit, by field name):
 
