@@ -56,7 +56,7 @@ nitpick_ignore_regex = [
                r"Updates|OptState|Schedule|Mesh|Sharding|PartitionSpec|NamedSharding|"
                r"float|int|str|bool|tuple|dict|list|None|callable|optional|self)"),
     # private helpers named in signatures (the low-rank blocks' bound-chain type)
-    (r"py:class", r"(_\w+|fisher_optax\.blocks\.low_rank\.SubspaceSource)"),
+    (r"py:class", r"(_\w+|fisher_optax\.blocks\.subspace\.SubspaceSource)"),
 ]
 
 # The notebooks live in notebooks/ (executed by the test suite too); the site executes

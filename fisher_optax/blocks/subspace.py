@@ -44,8 +44,9 @@ MISUSE = (
 
 class SubspaceGuard:
   """The leaf of a :class:`Subspace` that refuses to be used as an array: any arithmetic,
-  attribute or conversion raises ``TypeError`` with :data:`MISUSE`, and ``jax.jit``
-  refuses to return it. It holds no data."""
+  attribute or conversion raises a ``TypeError`` saying where a transformation between a
+  low-rank source and its end belongs, and ``jax.jit`` refuses to return it. It holds no
+  data."""
 
   __slots__ = ()
 
@@ -72,7 +73,9 @@ _FIELDS = ("coeffs", "sigma", "basis", "grad")
 class Subspace:
   """Per-matrix message between a low-rank source and its end.
 
-  Attributes (pytree children, canonical layout, float32):
+  Its arrays are pytree children, in canonical layout and float32.
+
+  Attributes:
     coeffs: ``batch + (r, n)``: what :func:`on_coefficients` transforms (starts as
       ``sigma``).
     sigma: ``batch + (r, n)``: the projected gradient ``U^T G``.
