@@ -1,7 +1,5 @@
 """low_rank_track / on_coefficients / project_back (paper Sec. 5.1)."""
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,13 +197,13 @@ def test_lax_cond_between_the_ends_is_refused_and_inside_on_coefficients_works()
   with pytest.raises(TypeError, match="on_coefficients"):
     jax.jit(across_the_message)(g, s)
 
-  class _Cond(NamedTuple):  # a conditional scaling acting on the coefficients
-    init: Any = lambda p: optax.EmptyState()
-    update: Any = lambda u, st, p=None: (jax.lax.cond(
-        True, lambda t: jax.tree.map(lambda x: 3 * x, t), lambda t: t, u), st)
+  def conditional_triple(u, st, p=None):  # a lax.cond acting on the coefficients
+    del p
+    return jax.lax.cond(True, lambda t: jax.tree.map(lambda x: 3 * x, t), lambda t: t, u), st
 
   plain = fo.in_subspace(track, optax.identity())
-  tripled = fo.in_subspace(track, optax.GradientTransformation(*_Cond()))
+  tripled = fo.in_subspace(track, optax.GradientTransformation(
+      lambda p: optax.EmptyState(), conditional_triple))
   u1, _ = jax.jit(plain.update)(g, plain.init(g))
   u3, _ = jax.jit(tripled.update)(g, tripled.init(g))
   np.testing.assert_allclose(u3["w"], 3 * u1["w"], rtol=1e-5, atol=1e-6)
