@@ -66,8 +66,7 @@ def test_map_grouped_serves_each_shape_once_and_splits_back():
 
 def test_map_grouped_equals_each_item_alone():
   """Items grouped by shape give what ``fn`` gives on each item alone; ``group_starts``
-  are the items' offsets in their group; cutting at run-time offsets (``counter``, a
-  step counter) gives the same arrays as static slices."""
+  are the items' offsets in their group."""
   rng = np.random.default_rng(0)
   items = [(jnp.asarray(rng.normal(size=(b, 3, 4)), jnp.float32),
             jnp.asarray(rng.normal(size=(b, 3)), jnp.float32)) for b in (2, 1, 3)]
@@ -79,11 +78,27 @@ def test_map_grouped_equals_each_item_alone():
   for item, g in zip(items, got):
     for a, b in zip(grouping.map_matrices(fn, *item), g):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
-  for count in (0, 7):
-    cut = jax.jit(lambda its, c: grouping.map_grouped(fn, its, counter=c))(
-        items, jnp.int32(count))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(cut)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint32, bool])
+def test_split_equals_static_slices(dtype):
+  """``grouping.split`` hands back exactly ``x[s:s + z]`` per member, eager and jitted, for
+  any dtype and for members covering the whole array; on CPU the members are cut by
+  ``dynamic-slice`` at run-time offsets, not by one static slice per offset."""
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(9, 3, 2)) * 4).astype(dtype)
+  starts, sizes = [0, 2, 3, 7], [2, 1, 4, 2]
+  want = [np.asarray(x)[s:s + z] for s, z in zip(starts, sizes)]
+  for got in (grouping.split(x, starts, sizes),
+              jax.jit(lambda y: grouping.split(y, starts, sizes))(x)):
+    assert [g.dtype for g in got] == [x.dtype] * 4
+    for w, g in zip(want, got):
+      np.testing.assert_array_equal(w, np.asarray(g))
+  assert grouping.split(x, [0], [9])[0] is x
+  assert [g.shape for g in grouping.split(jnp.zeros((3, 0)), [0, 1], [1, 2])] == [(1, 0), (2, 0)]
+  if jax.default_backend() == "cpu":
+    hlo = jax.jit(lambda y: grouping.split(y, starts, sizes)).lower(x).compile().as_text()
+    assert hlo.count("dynamic-slice(") >= 4
+    assert not any(f"slice={{[{s}:{s + z}]" in hlo for s, z in zip(starts, sizes))
 
 
 def test_map_stateless_casts_saturating():
@@ -124,11 +139,6 @@ def test_vmap_grouped_starts_are_offsets_within_each_group():
   got = jax.jit(lambda *a: grouping.vmap_grouped(
       lambda mr: lambda s: rp.random_basis(jax.random.PRNGKey(s), *mr), a, shapes))(*seeds)
   np.testing.assert_allclose(got[3], rp.random_basis(jax.random.PRNGKey(11), 4, 2), rtol=1e-6)
-  at_run_time = jax.jit(lambda c, *a: grouping.vmap_grouped(
-      lambda mr: lambda s: rp.random_basis(jax.random.PRNGKey(s), *mr), a, shapes,
-      counter=c))(jnp.int32(3), *seeds)
-  for a, b in zip(got, at_run_time):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_per_matrix_traces_fn_once_per_shape_and_equals_the_per_leaf_call():

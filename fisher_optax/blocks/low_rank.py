@@ -168,8 +168,7 @@ class _Tracker:
     def refresh(operands):
       gs, us, qs, key = operands
       fn = lambda x1, u1, q1, n1: self.refresh_matrix(x1, u1, q1, n1, first)  # noqa: E731
-      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count),
-                                  counter=count)
+      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count))
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
@@ -205,11 +204,9 @@ class _Tracker:
     sizes = [self.policy.noise_size(g.shape[-2], u.shape[-1]) for g, u in zip(gs, us)]
     rows = [g.shape[0] for g in gs]
     words = switching_lib.refresh_noise(key, count, sum(rows), max(sizes))
-    out, start = [], 0
-    for n, size in zip(rows, sizes):
-      out.append(grouping.cut(words, start, n, count)[:, :max(size, 1)])
-      start += n
-    return out
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    return [part[:, :max(size, 1)]
+            for part, size in zip(grouping.split(words, starts, rows), sizes)]
 
   def refresh_matrix(self, x1, u1, q1, n1, first):
     u_new = self.policy.basis_from(x1, u1, q1, self.b3, n1, first)

@@ -70,8 +70,7 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
     shapes = [(v.m, subspace.clipped_rank(rank, v)) for v in lifted.views]
     bases = grouping.vmap_grouped(
-        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices, shapes,
-        counter=state.count)
+        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices, shapes)
     nodes = []
     project = grouping.shared(linalg.project_rows)
     for g, gc, basis, view in zip(lifted.leaves, lifted.canonical_grads, bases, lifted.views):

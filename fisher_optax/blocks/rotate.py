@@ -188,7 +188,7 @@ def _permute(x: jax.Array, i1: Optional[jax.Array], i2: Optional[jax.Array]) -> 
 # ---------------------------------------------------------------- whole tree, refresh
 
 
-def _refresh_sides(stats: dict, bases: dict, use_eigh: bool, count: jax.Array) -> dict:
+def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
   """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
   :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
   (across leaves, stack entries and sides) are concatenated so that one decomposition
@@ -198,7 +198,7 @@ def _refresh_sides(stats: dict, bases: dict, use_eigh: bool, count: jax.Array) -
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
   outs = grouping.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
                             [(flat(stats[side][i]), flat(bases[side][i]))
-                             for i, side in members], counter=count)
+                             for i, side in members])
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
   for (i, side), out in zip(members, outs):
     batch = stats[side][i].shape[:-2]
@@ -329,7 +329,7 @@ class _Rotation:
     if self.statistics == "before":
       st = self.stats_all(lifted, st)
       bases, eigs, inner_state = self.refresh_all(lifted, st, bases, eigs, inner_state, c == 0,
-                                                  (c % self.interval) == 0, c)
+                                                  (c % self.interval) == 0)
       out, inner_state = self.rotated_update(lifted, bases, eigs, inner_state)
     else:  # SOAP: step 1 only initialises; later: update, then statistics and refresh
       # only the update is conditional: one copy of the refresh machinery is compiled
@@ -339,7 +339,7 @@ class _Rotation:
           lambda: self.rotated_update(lifted, bases, eigs, inner_state))
       st = self.stats_all(lifted, st)
       bases, eigs, inner_state = self.refresh_all(lifted, st, bases, eigs, inner_state, c == 0,
-                                                  (c % self.interval) == 0, c)
+                                                  (c % self.interval) == 0)
     side = lambda k: RotateSideState(  # noqa: E731
         stats=lifted.unflatten(st[k]), basis=lifted.unflatten(bases[k]),
         eig=lifted.unflatten(eigs[k]))
@@ -351,20 +351,20 @@ class _Rotation:
                                  st[k], lifted.canonical_grads)
             for k, side in (("l", "left"), ("r", "right"))}
 
-  def refresh_all(self, lifted, st, bases, eigs, inner_state, first, do_refresh, count):
+  def refresh_all(self, lifted, st, bases, eigs, inner_state, first, do_refresh):
     """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
     ordinary steps do no basis arithmetic."""
-    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lifted, True, ops, count)]
+    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lifted, True, ops)]
     which = jnp.where(do_refresh, 1, 0)
     if self.refresh == "power_qr":
-      branches.append(lambda ops: self.refreshed(lifted, False, ops, count))
+      branches.append(lambda ops: self.refreshed(lifted, False, ops))
       which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
     return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
 
-  def refreshed(self, lifted, use_eigh, ops, count):
+  def refreshed(self, lifted, use_eigh, ops):
     """New bases (+ eigenvalues) and the inner state moved to them."""
     st, bases, eigs, inner_state = ops
-    res = _refresh_sides(st, bases, use_eigh, count)
+    res = _refresh_sides(st, bases, use_eigh)
     new_bases = {k: [o if r is None else r.basis for o, r in zip(bases[k], res[k])]
                  for k in "lr"}
     new_eigs = eigs
