@@ -72,7 +72,16 @@ def empirical_fim(samples) -> Array:
 def _psd_power(a: Array, p: float, rtol: float = 1e-10) -> Array:
   """``a^p`` for a symmetric PSD matrix; eigenvalues below ``rtol * max`` are treated as 0
   (pseudo-inverse for negative ``p``)."""
-  w, v = np.linalg.eigh(0.5 * (a + a.T))
+  return _psd_power_of(*_eigh_sym(a), p, rtol)
+
+
+def _eigh_sym(a: Array) -> tuple:
+  """``eigh`` of the symmetric part of ``a`` (eigenvalues ascending, eigenvectors)."""
+  return np.linalg.eigh(0.5 * (a + a.T))
+
+
+def _psd_power_of(w: Array, v: Array, p: float, rtol: float = 1e-10) -> Array:
+  """:func:`_psd_power` from an eigendecomposition ``(w, v)``."""
   keep = w > rtol * max(w.max(), 0.0) if w.size else w > 0
   wp = np.zeros_like(w)
   wp[keep] = w[keep] ** p
@@ -80,8 +89,7 @@ def _psd_power(a: Array, p: float, rtol: float = 1e-10) -> Array:
 
 
 def _eig_desc(a: Array) -> Array:
-  w, v = np.linalg.eigh(0.5 * (a + a.T))
-  return v[:, ::-1]
+  return _eigh_sym(a)[1][:, ::-1]
 
 
 def blockdiag(blocks: Sequence[Array]) -> Array:

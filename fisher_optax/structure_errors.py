@@ -29,7 +29,8 @@ structure                ``||F~ - F||^2`` from                  cost (FLOPs), me
 ``two_sided`` S (x) Q    fixed point on ``P = E[G^2]``          ``N mn + 4 mn`` / iter.
 ``general`` S (x) M      fixed point, ``S`` diagonal            ``4 N m^2 n`` / iteration
 ``kronecker`` A (x) B    Van Loan: top singular pair of the     ``4 N mn (m + n)`` / iter.
-                         rearranged ``F`` by power iteration
+                         rearranged ``F`` by power iteration    wide: ``4 N^2 d^3`` / iter.
+                                                                (``d = min(m, n)``)
 ``shampoo``              ``R^1/2 (x) L^1/2`` (upper bound)      ``2 N mn (m + n)``, eighs
 ``eigen_adam``           diagonal of ``U^T G``, ``U =           ``4 N m^2 n + 9 m^3``
                          eig(E[GG^T])``
@@ -42,7 +43,8 @@ structure                ``||F~ - F||^2`` from                  cost (FLOPs), me
 
 Peak memory is the samples (``N mn``) plus the Gram matrix (``N^2``), the side
 statistics (``m^2``, ``n^2``) and one rotated copy of the samples (``N mn``) for the
-rotated structures. Everything runs in float64 numpy by default (``dtype=``); tests check
+rotated structures; the Kronecker optimum of a wide layer takes the route through the
+smaller side's ``Nd x Nd`` Gram matrix (two copies, at most 2 GiB each). Everything runs in float64 numpy by default (``dtype=``); tests check
 every structure against the dense ``fisher_optax.fim`` to 1e-8 relative.
 """
 
@@ -127,6 +129,17 @@ class LayerSamples:
       stack = self.g.reshape(-1, self.n)
       return stack.T @ stack / self.n_samples
     return self._get("right", compute)
+
+  @property
+  def left_eigh(self) -> tuple:
+    """``eigh(E[G G^T])``: eigenvalues ascending and eigenvectors, shared by the
+    structures that rotate or take powers of the left side."""
+    return self._get("left_eigh", lambda: fim._eigh_sym(self.left))
+
+  @property
+  def right_eigh(self) -> tuple:
+    """``eigh(E[G^T G])``, as :attr:`left_eigh`."""
+    return self._get("right_eigh", lambda: fim._eigh_sym(self.right))
 
   @property
   def second_moment(self) -> np.ndarray:
@@ -220,12 +233,31 @@ def general(s: LayerSamples, *, iters: int = 300, tol: float = 1e-12) -> Structu
   return _result("general", s, err_sq, s.n + s.m * s.m)
 
 
-def kronecker(s: LayerSamples, *, iters: int = 300, tol: float = 1e-12) -> StructureError:
+def kronecker(s: LayerSamples, *, iters: int = 300, tol: float = 1e-12,
+              route: Optional[str] = None) -> StructureError:
   """The nearest Kronecker product ``A (x) B`` (Van Loan & Pitsianis): the rearranged
   Fisher ``R(F) = E[G^T (x) G^T]`` has ``||R|| = ||F||``, so the optimum is its top
-  singular pair and ``||F - F~||^2 = ||F||^2 - sigma_1^2``. Power iteration
-  ``A <- E[G^T B G]``, ``B <- E[G A G^T]`` (normalised), from Shampoo's ``A = E[G^T G]``;
-  ``sigma_1 = E[tr(G^T B G A)]`` for unit ``A, B``."""
+  singular pair and ``||F - F~||^2 = ||F||^2 - sigma_1^2``.
+
+  Two exact routes to ``sigma_1`` (``route``; default: the cheaper one for the shape):
+
+  * ``"sides"``: power iteration ``A <- E[G^T B G]``, ``B <- E[G A G^T]`` (normalised),
+    from Shampoo's ``A = E[G^T G]``; ``sigma_1 = E[tr(G^T B G A)]`` for unit ``A, B``.
+    ``4 N mn (m + n)`` FLOPs per iteration, ``m^2 + n^2`` memory.
+  * ``"gram"``: the same iteration with ``A`` eliminated, on the smaller side ``d``
+    (``D`` the larger): ``B <- (1/N^2) sum_jk K_jk B K_jk^T`` with the blocks
+    ``K_jk = G_j G_k^T`` of the samples' ``Nd x Nd`` Gram matrix, from Shampoo's
+    ``B = E[G G^T]``; ``sigma_1^2`` is the Rayleigh quotient ``<B, T(B)>``.
+    ``N^2 d^2 D`` FLOPs once and ``4 N^2 d^3`` per iteration, ``N^2 d^2`` memory: far
+    cheaper for a wide layer (an output layer ``d_model x vocabulary``).
+  """
+  if route is None:
+    route = "gram" if _gram_is_cheaper(s) else "sides"
+  if route == "gram":
+    sigma_sq = _kronecker_gram(s, iters=iters, tol=tol)
+    return _result("kronecker", s, s.fisher_sq - sigma_sq, s.m * s.m + s.n * s.n)
+  if route != "sides":
+    raise ValueError(f"{s.name}: route must be 'sides' or 'gram', got {route!r}")
   g = s.g
   cat = np.moveaxis(g, 0, 1).reshape(s.m, -1)          # m x Nn
   stack = g.reshape(-1, s.n)                            # Nm x n
@@ -252,12 +284,46 @@ def kronecker(s: LayerSamples, *, iters: int = 300, tol: float = 1e-12) -> Struc
   return _result("kronecker", s, s.fisher_sq - sigma ** 2, s.m * s.m + s.n * s.n)
 
 
+def _gram_is_cheaper(s: LayerSamples, iterations: int = 30) -> bool:
+  """Whether :func:`kronecker`'s ``"gram"`` route costs fewer FLOPs than ``"sides"`` over
+  ``iterations`` power steps."""
+  d, big, n = min(s.m, s.n), max(s.m, s.n), s.n_samples
+  gram = n * n * d * d * big + iterations * 4 * n * n * d ** 3
+  sides = iterations * 4 * n * s.m * s.n * (s.m + s.n)
+  return gram < sides and (n * d) ** 2 <= _GRAM_MAX_ENTRIES
+
+
+_GRAM_MAX_ENTRIES = 2 ** 28  # the Gram route's N d x N d matrix: at most 2 GiB in float64
+
+
+def _kronecker_gram(s: LayerSamples, *, iters: int, tol: float) -> float:
+  """``sigma_1^2`` of the rearranged Fisher by :func:`kronecker`'s ``"gram"`` route."""
+  g = s.g if s.m <= s.n else np.swapaxes(s.g, 1, 2)   # [N, d, D], d the smaller side
+  n, d, _ = g.shape
+  x = g.reshape(n * d, -1)
+  gram = x @ x.T                                        # block (j, k): G_j G_k^T
+  rows = gram.reshape(n, d, n * d)                      # rows[j] = [K_j1, ..., K_jN]
+
+  def apply(b):  # T(B) = (1/N^2) sum_jk K_jk B K_jk^T, as two large matrix products
+    z = (gram.reshape(-1, d) @ b).reshape(n, d, n * d)  # z[j] = [K_j1 B, ..., K_jN B]
+    return np.matmul(z, rows.transpose(0, 2, 1)).sum(axis=0) / n ** 2
+
+  def step(b):
+    t = apply(b)
+    value = float(np.sum(b * t))                        # Rayleigh quotient, unit b
+    return t / np.linalg.norm(t), value
+
+  left = (s.left if s.m <= s.n else s.right)
+  b = _iterate(step, left / np.linalg.norm(left), iters=iters, tol=tol)
+  return float(np.sum(b * apply(b)))
+
+
 def shampoo(s: LayerSamples) -> StructureError:
   """Shampoo's ``R^1/2 (x) L^1/2``, ``R = E[G^T G] / m``, ``L = E[G G^T] / n`` (the
   minimiser of an upper bound, Thm. "Shampoo pre-conditioner"):
   ``||F~||^2 = tr(R) tr(L)``, ``<F~, F> = tr(L^1/2 E[G R^1/2 G^T])``."""
-  r_half = fim._psd_power(s.right / s.m, 0.5)
-  l_half = fim._psd_power(s.left / s.n, 0.5)
+  r_half = fim._psd_power_of(*s.right_eigh, 0.5) / np.sqrt(s.m)
+  l_half = fim._psd_power_of(*s.left_eigh, 0.5) / np.sqrt(s.n)
   cat = np.moveaxis(s.g, 0, 1).reshape(s.m, -1)
   grg = np.moveaxis(s.g @ r_half, 0, 1).reshape(s.m, -1) @ cat.T / s.n_samples
   cross = float(np.sum(l_half * grg))
@@ -269,7 +335,7 @@ def eigen_adam(s: LayerSamples) -> StructureError:
   """Eigen-Adam's ``blockdiag(U D_i U^T)``, ``U = eig(E[G G^T])``,
   ``D_i = diag(E[(U^T g_i)^2])`` (1-step refinement): the diagonal structure of the
   rotated samples ``U^T G``."""
-  u = fim._eig_desc(s.left)
+  u = s.left_eigh[1][:, ::-1]
   d_sq, _ = s.rotated_diagonal_sq(u, None)
   return _result("eigen_adam", s, s.fisher_sq - d_sq, s.m * s.m + s.m * s.n)
 
@@ -278,8 +344,8 @@ def soap(s: LayerSamples) -> StructureError:
   """SOAP's ``(U_R (x) U_L) diag(vec(D)) (U_R (x) U_L)^T``, ``D = E[(U_L^T G U_R)^2]``
   with the eigenbases of ``E[G G^T]`` and ``E[G^T G]``: the diagonal structure of the
   rotated samples."""
-  ul = fim._eig_desc(s.left)
-  ur = fim._eig_desc(s.right)
+  ul = s.left_eigh[1][:, ::-1]
+  ur = s.right_eigh[1][:, ::-1]
   d_sq, _ = s.rotated_diagonal_sq(ul, ur)
   return _result("soap", s, s.fisher_sq - d_sq, s.m * s.m + s.n * s.n + s.m * s.n)
 
@@ -293,7 +359,7 @@ def alice(s: LayerSamples, rank: int, *, compensation: bool = True) -> Structure
   if not 1 <= rank < s.m:
     raise ValueError(f"{s.name}: Alice's rank must be in [1, {s.m - 1}] for a {s.m} x {s.n} "
                      f"layer (its smaller side is {s.m}), got {rank}")
-  u = fim._eig_desc(s.left)
+  u = s.left_eigh[1][:, ::-1]
   u = u[:, :rank]
   d_sq, d = s.rotated_diagonal_sq(u, None)
   err_sq = s.fisher_sq - d_sq

@@ -84,6 +84,29 @@ def test_a_kronecker_fisher_is_fit_exactly():
     assert r[name].relative < 1e-7, (name, r[name])
 
 
+@pytest.mark.parametrize("shape", [(6, 9), (9, 6), (3, 40), (7, 7)])
+@pytest.mark.parametrize("n", [20, 3])
+def test_both_kronecker_routes_equal_the_dense_optimum(shape, n):
+  """The side iteration and the Gram iteration (the smaller side's blocks of the samples'
+  Gram matrix, for wide layers) give the same Van Loan optimum as the dense SVD."""
+  g = _samples(shape, n, seed=n)
+  want = _dense("kronecker", g, 2)
+  samples = se.LayerSamples(g)
+  for route in ("sides", "gram"):
+    got = se.kronecker(samples, route=route)
+    np.testing.assert_allclose(got.relative, want, rtol=1e-8, atol=1e-12, err_msg=route)
+  with pytest.raises(ValueError, match="route must be"):
+    se.kronecker(samples, route="dense")
+
+
+def test_kronecker_takes_the_gram_route_for_a_wide_layer():
+  """An output-layer shape (a few rows, many columns) is cheaper through the Gram route;
+  a square one through the sides; the choice never changes the result (above)."""
+  wide = se.LayerSamples(np.ones((4, 8, 2000)))
+  square = se.LayerSamples(np.ones((4, 64, 64)))
+  assert se._gram_is_cheaper(wide) and not se._gram_is_cheaper(square)
+
+
 def test_structure_numbers():
   r = se.structure_errors(_samples((6, 9)), rank=2)
   assert r["diagonal"].numbers == 54 and r["two_sided"].numbers == 15
