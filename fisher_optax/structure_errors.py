@@ -44,7 +44,8 @@ structure                ``||F~ - F||^2`` from                  cost (FLOPs), me
 Peak memory is the samples (``N mn``) plus the Gram matrix (``N^2``), the side
 statistics (``m^2``, ``n^2``) and one rotated copy of the samples (``N mn``) for the
 rotated structures; the Kronecker optimum of a wide layer takes the route through the
-smaller side's ``Nd x Nd`` Gram matrix (two copies, at most 2 GiB each). Everything runs in float64 numpy by default (``dtype=``); tests check
+smaller side's ``Nd x Nd`` Gram matrix (two copies, at most 2 GiB each). Everything runs
+in float64 numpy by default (``dtype=``); tests check
 every structure against the dense ``fisher_optax.fim`` to 1e-8 relative.
 """
 
@@ -140,6 +141,11 @@ class LayerSamples:
   def right_eigh(self) -> tuple:
     """``eigh(E[G^T G])``, as :attr:`left_eigh`."""
     return self._get("right_eigh", lambda: fim._eigh_sym(self.right))
+
+  def eigvecs_desc(self, side: str) -> np.ndarray:
+    """The eigenvectors of ``E[G G^T]`` (``side="left"``) or ``E[G^T G]`` (``"right"``),
+    by descending eigenvalue (columns)."""
+    return (self.left_eigh if side == "left" else self.right_eigh)[1][:, ::-1]
 
   @property
   def second_moment(self) -> np.ndarray:
@@ -335,7 +341,7 @@ def eigen_adam(s: LayerSamples) -> StructureError:
   """Eigen-Adam's ``blockdiag(U D_i U^T)``, ``U = eig(E[G G^T])``,
   ``D_i = diag(E[(U^T g_i)^2])`` (1-step refinement): the diagonal structure of the
   rotated samples ``U^T G``."""
-  u = s.left_eigh[1][:, ::-1]
+  u = s.eigvecs_desc("left")
   d_sq, _ = s.rotated_diagonal_sq(u, None)
   return _result("eigen_adam", s, s.fisher_sq - d_sq, s.m * s.m + s.m * s.n)
 
@@ -344,8 +350,8 @@ def soap(s: LayerSamples) -> StructureError:
   """SOAP's ``(U_R (x) U_L) diag(vec(D)) (U_R (x) U_L)^T``, ``D = E[(U_L^T G U_R)^2]``
   with the eigenbases of ``E[G G^T]`` and ``E[G^T G]``: the diagonal structure of the
   rotated samples."""
-  ul = s.left_eigh[1][:, ::-1]
-  ur = s.right_eigh[1][:, ::-1]
+  ul = s.eigvecs_desc("left")
+  ur = s.eigvecs_desc("right")
   d_sq, _ = s.rotated_diagonal_sq(ul, ur)
   return _result("soap", s, s.fisher_sq - d_sq, s.m * s.m + s.n * s.n + s.m * s.n)
 
@@ -359,7 +365,7 @@ def alice(s: LayerSamples, rank: int, *, compensation: bool = True) -> Structure
   if not 1 <= rank < s.m:
     raise ValueError(f"{s.name}: Alice's rank must be in [1, {s.m - 1}] for a {s.m} x {s.n} "
                      f"layer (its smaller side is {s.m}), got {rank}")
-  u = s.left_eigh[1][:, ::-1]
+  u = s.eigvecs_desc("left")
   u = u[:, :rank]
   d_sq, d = s.rotated_diagonal_sq(u, None)
   err_sq = s.fisher_sq - d_sq
