@@ -82,7 +82,12 @@ class StructureError:
 
 class LayerSamples:
   """Gradient samples ``[N, m, n]`` of one layer and the statistics shared by structures
-  (computed once, on first use). ``name`` labels errors."""
+  (computed once, on first use). ``name`` labels errors.
+
+  Samples whose largest entry lies outside ``2^(+-maxexp/8)`` of ``dtype`` (about
+  ``1e+-38`` in float64) are held divided by ``2^exponent`` (exact); the statistics are
+  those of the held samples, and :class:`StructureError`'s ``error`` is scaled back.
+  All-zero samples raise a ``ValueError`` (``F = 0`` has no relative error)."""
 
   def __init__(self, samples, *, name: str = "layer", dtype=np.float64):
     g = np.asarray(samples)
@@ -96,8 +101,21 @@ class LayerSamples:
     if min(g.shape[1:]) < 2:
       raise ValueError(f"{name}: a {g.shape[1]} x {g.shape[2]} leaf is no matrix for these "
                        "structures (both sides must be at least 2)")
+    peak = float(np.max(np.abs(g)))
+    if peak == 0.0:
+      raise ValueError(f"{name}: every gradient sample is zero, so the empirical Fisher is 0 "
+                       "and no structure has a relative error")
     self.name = name
     self.g = g.astype(dtype, copy=False)
+    # Relative errors do not depend on the samples' scale, but F holds their squares and
+    # ||F||^2 their fourth powers: samples far from 1 (|G| ~ 1e-150 or 1e150 in float64)
+    # underflow or overflow. Such samples are rescaled by a power of two (exact), and the
+    # absolute errors scaled back (F scales with its square).
+    limit = np.finfo(dtype).maxexp // 8
+    exponent = int(np.frexp(peak)[1])
+    self.exponent = exponent if abs(exponent) > limit else 0
+    if self.exponent:
+      self.g = np.ldexp(self.g, -self.exponent)
     self.n_samples, self.m, self.n = g.shape
     self._cache = {}
 
@@ -166,7 +184,8 @@ class LayerSamples:
 
 def _result(structure: str, s: LayerSamples, err_sq: float, numbers: int) -> StructureError:
   err = float(np.sqrt(max(err_sq, 0.0)))
-  return StructureError(structure, err, err / np.sqrt(s.fisher_sq), int(numbers))
+  return StructureError(structure, float(np.ldexp(err, 2 * s.exponent)),
+                        err / np.sqrt(s.fisher_sq), int(numbers))
 
 
 def diagonal(s: LayerSamples) -> StructureError:

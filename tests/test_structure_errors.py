@@ -121,7 +121,31 @@ def test_tall_layers_are_read_on_their_smaller_side():
     np.testing.assert_allclose(tall[k].relative, wide[k].relative, rtol=1e-10)
 
 
+@pytest.mark.parametrize("scale", [1e-150, 1e-30, 1e30, 1e150])
+def test_tiny_and_huge_samples_give_the_unit_scale_errors(scale):
+  """Relative errors do not depend on the samples' scale; the absolute error scales with
+  F, i.e. with ``scale^2``. Without rescaling, 1e+-150 under- or overflows float64."""
+  g = _samples((6, 9), 8, seed=5)
+  want = se.structure_errors(g, rank=2)
+  got = se.structure_errors(g * scale, rank=2)
+  for k in se.STRUCTURES:
+    np.testing.assert_allclose(got[k].relative, want[k].relative, rtol=1e-9, err_msg=k)
+    np.testing.assert_allclose(got[k].error, want[k].error * scale ** 2, rtol=1e-9,
+                               err_msg=k)
+  for route in ("sides", "gram"):
+    np.testing.assert_allclose(se.kronecker(se.LayerSamples(g * scale), route=route).relative,
+                               want["kronecker"].relative, rtol=1e-9, err_msg=route)
+
+
+def test_float32_arithmetic_rescales_too():
+  g = _samples((6, 9), 8, seed=6)
+  want = se.structure_errors(g, rank=2)["soap"].relative
+  got = se.structure_errors(g * 1e20, rank=2, dtype=np.float32)["soap"].relative
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bad,match", [
+    (np.zeros((3, 4, 5)), "every gradient sample is zero"),
     (np.ones((1, 4, 5)), "at least two gradient samples"),
     (np.full((3, 4, 5), np.nan), "non-finite"),
     (np.ones((3, 1, 5)), "no matrix"),
