@@ -1,7 +1,8 @@
 """Float32 linear algebra shared by the blocks: eigh, QR, subspace iteration, complements.
 
 All functions act on one matrix (callers ``vmap`` over stacks) and compute in
-float32 whatever the input dtype (docs: "Numerics policy"). Eigen/singular vectors are
+float32 whatever the input dtype, matrix products at float32 precision on every backend
+(:func:`matmul`; docs: "Numerics policy"). Eigen/singular vectors are
 returned with a canonical sign -- the entry of largest magnitude in each column is
 positive -- so that results do not depend on the LAPACK/cuSOLVER sign convention,
 precision or device. That matters because the low-rank methods carry moments over
@@ -14,6 +15,19 @@ import jax
 import jax.numpy as jnp
 
 f32 = jnp.float32
+
+# Every matrix product of the blocks requests float32 precision. JAX's default float32
+# product is not float32 on accelerators: TensorFloat-32 on NVIDIA GPUs (10-bit
+# mantissa), one bfloat16 pass on TPUs. The blocks' products form the statistics that
+# eigendecompositions and QR read and the rotations and projections that Adam-style
+# normalisations divide by, so their rounding reaches the update magnified (docs:
+# "Numerics policy" gives the measured effect).
+PRECISION = jax.lax.Precision.HIGHEST
+
+
+def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a @ b`` (``jnp.matmul`` broadcasting) computed at float32 precision on every backend."""
+  return jnp.matmul(a, b, precision=PRECISION)
 
 
 # Products with a vector are written as broadcast-multiply-reduce, not ``@``: the same
@@ -39,7 +53,7 @@ def project_rows(basis: jax.Array, a: jax.Array) -> jax.Array:
   ``r = 1`` as a multiply-reduce (see :func:`vec_mat`)."""
   if basis.shape[-1] == 1:
     return jnp.sum(basis * a, axis=-2, keepdims=True)
-  return jnp.swapaxes(basis, -1, -2) @ a
+  return matmul(jnp.swapaxes(basis, -1, -2), a)
 
 
 def canonical_signs(v: jax.Array) -> jax.Array:

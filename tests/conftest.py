@@ -7,14 +7,22 @@
   optimisation level 0 and the older (non-"fusion emitter") kernel generator together
   take three heavy tests from 27 s to 16 s on 2 cores. This changes how the tests'
   programs are compiled for this CPU, not the library; a flag the caller's
-  ``XLA_FLAGS`` already names wins.
+  ``XLA_FLAGS`` already names wins. The XLA of jaxlib 0.11.2 no longer knows the
+  fusion-emitter flag (0.10.2's does) and aborts on an unknown flag, so the flag goes to
+  jaxlib below 0.11 only.
 """
 
+import importlib.metadata
 import os
 
 _FLAGS = {"--xla_force_host_platform_device_count": "8",
-          "--xla_backend_optimization_level": "0",
-          "--xla_cpu_use_fusion_emitters": "false"}
+          "--xla_backend_optimization_level": "0"}
+try:
+  _JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+except (importlib.metadata.PackageNotFoundError, ValueError):
+  _JAXLIB = (0, 0)
+if _JAXLIB < (0, 11):
+  _FLAGS["--xla_cpu_use_fusion_emitters"] = "false"
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given.strip()] + [f"{k}={v}" for k, v in _FLAGS.items() if k not in _given]).strip()

@@ -55,9 +55,12 @@ def test_galore_equals_optax_contrib_galore_on_square_matrices(b1, steps):
   grads = structured_grads((8, 8), steps, seed=3)
   kw = dict(rank=3, scale=0.25)
   ours = run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, **kw), grads, (8, 8))
-  theirs = run_opt(optax.contrib.galore(
-      LR, update_proj_gap=3, base_optimizer=optax.scale_by_adam(b1=b1, b2=0.99, eps=1e-8), **kw),
-      grads, (8, 8))
+  # optax's products follow JAX's default precision (TensorFloat-32 on NVIDIA GPUs); ours
+  # are float32 on every backend
+  with jax.default_matmul_precision("float32"):
+    theirs = run_opt(optax.contrib.galore(
+        LR, update_proj_gap=3, base_optimizer=optax.scale_by_adam(b1=b1, b2=0.99, eps=1e-8),
+        **kw), grads, (8, 8))
   for t, (a, b) in enumerate(zip(ours, theirs), start=1):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7, err_msg=f"step {t}")
 
@@ -304,3 +307,37 @@ def test_weight_decay_accepts_schedules_and_rejects_negative_values():
   np.testing.assert_allclose(np.asarray(u["w"]), -LR * 0.5, rtol=1e-6)
   with pytest.raises(ValueError, match="weight_decay"):
     fo.alice(LR, weight_decay=-0.1)
+
+
+def _dot_precisions(jaxpr) -> list:
+  """The ``precision`` of every ``dot_general`` in ``jaxpr`` and its sub-jaxprs (refresh
+  ``cond`` branches, loops, nested jits)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out.extend(_dot_precisions(sub))
+  return out
+
+
+@pytest.mark.parametrize("name", registry.NAMES)
+def test_every_matrix_product_requests_float32_precision(name):
+  """JAX's default float32 product is TensorFloat-32 on NVIDIA GPUs and one bfloat16 pass
+  on TPUs; every product of the blocks asks for float32 itself, refresh branches included.
+  Traced under a bfloat16 default, so that a product without its own precision shows as
+  ``DEFAULT``. RACS and APOLLO-mini (rank 1) multiply only by vectors, as multiply-reduce,
+  so they have none."""
+  tx = registry.make(name)
+  params = small_params()
+  with jax.default_matmul_precision("bfloat16"):
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+  precisions = _dot_precisions(jaxpr)
+  assert bool(precisions) == (name not in ("racs", "apollo_mini")), (
+      f"{name}: {len(precisions)} products")
+  highest = (jax.lax.Precision.HIGHEST,) * 2
+  wrong = [p for p in precisions if tuple(p) != highest]
+  assert not wrong, f"{name}: {len(wrong)} of {len(precisions)} products at {wrong[0]}"

@@ -114,7 +114,7 @@ def _optimal_residual(g, u, sigma, p, b1):
   column whose residual is at rounding level (its true value is 0, e.g. G's column lies in
   span(U)) is exactly 0: rounding noise scaled by its own tiny ``p`` would be a unit-size
   update in a random direction."""
-  resid = g - u @ sigma
+  resid = g - linalg.matmul(u, sigma)
   rsq = jnp.sum(jnp.square(resid), axis=-2)
   real = rsq > RESIDUAL_FLOOR * jnp.sum(jnp.square(g), axis=-2)
   resid = jnp.where(real[..., None, :], resid, 0.0)
@@ -132,10 +132,10 @@ def _compensate_arrays(g, u, sigma, coeffs, p, phi, *, method, alpha_c, b1, limi
     c = math.sqrt(m - r) * resid * linalg.safe_rsqrt(p_new)[..., None, :]
   else:
     p_new = None
-    c = (g - scale * (u @ sigma)) * linalg.norm_ratio(coeffs, sigma, "channel")
+    c = (g - scale * linalg.matmul(u, sigma)) * linalg.norm_ratio(coeffs, sigma, "channel")
   c = jnp.where(jnp.isfinite(c), c, 0.0)
   if limiter is not None:
     norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
     eta, phi = limiter_lib.limit_growth(norm, phi, limiter)
     c = c * eta[..., None, None]
-  return scale * (u @ coeffs) + alpha_c * c, p_new, phi
+  return scale * linalg.matmul(u, coeffs) + alpha_c * c, p_new, phi

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import grouping, matrices, validation
+from fisher_optax import grouping, linalg, matrices, validation
 from fisher_optax.blocks import subspace
 from fisher_optax.blocks import switching as switching_lib
 
@@ -142,9 +142,9 @@ class _Tracker:
     """One leaf's step after the refresh: ``sigma = U^T G`` and, with tracking, paper Eq.
     "tracking step" ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``; returns ``sigma``, ``Q~``
     and ``U`` in the state dtype."""
-    sigma = jnp.swapaxes(u, -1, -2) @ gc
+    sigma = linalg.matmul(jnp.swapaxes(u, -1, -2), gc)
     if q is not None:
-      q = self.b3 * q + (1 - self.b3) * (sigma @ jnp.swapaxes(sigma, -1, -2))
+      q = self.b3 * q + (1 - self.b3) * linalg.matmul(sigma, jnp.swapaxes(sigma, -1, -2))
       q = q.astype(self.sdtype)
     return sigma, q, u.astype(self.sdtype)
 
@@ -218,5 +218,5 @@ def _keep_finite(u_new, u1, q1):
   u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
   if q1 is None:
     return u_new, None
-  rot = u_new.T @ u1
-  return u_new, rot @ q1 @ rot.T
+  rot = linalg.matmul(u_new.T, u1)
+  return u_new, linalg.matmul(linalg.matmul(rot, q1), rot.T)

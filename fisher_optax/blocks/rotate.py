@@ -110,15 +110,15 @@ def stats_update(stat: Optional[jax.Array], g: jax.Array, side: str,
   """``L <- b3 L + (1 - b3) G G^T`` (left) or with ``G^T G`` (right); sums if ``b3`` is None."""
   if stat is None:
     return None
-  outer = g @ g.T if side == "left" else g.T @ g
+  outer = linalg.matmul(g, g.T) if side == "left" else linalg.matmul(g.T, g)
   return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
 
 
 def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
   """SOAP's refresh: sort the old basis by ``diag(U^T L U)``, one power iteration, QR."""
-  est = jnp.diagonal(basis.T @ stat @ basis)
+  est = jnp.diagonal(linalg.matmul(linalg.matmul(basis.T, stat), basis))
   idx = jnp.argsort(-est)
-  q = linalg.orthonormalize(stat @ basis[:, idx])
+  q = linalg.orthonormalize(linalg.matmul(stat, basis[:, idx]))
   return q, idx
 
 
@@ -131,28 +131,28 @@ def side_refresh(stat: jax.Array, basis: jax.Array, use_eigh: bool) -> SideRefre
     idx = jnp.arange(d)
   else:
     new, idx = power_qr(stat, basis)
-    w = jnp.diagonal(new.T @ stat @ new)
+    w = jnp.diagonal(linalg.matmul(linalg.matmul(new.T, stat), new))
   ok = jnp.all(jnp.isfinite(new))
   new = jnp.where(ok, new, basis)
   idx = jnp.where(ok, idx, jnp.arange(d))
-  return SideRefresh(new, w, idx, new.T @ basis, ok)
+  return SideRefresh(new, w, idx, linalg.matmul(new.T, basis), ok)
 
 
 def rotate_in(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
   """``U_L^T X U_R`` (a missing side is the identity)."""
   if bl is not None:
-    x = bl.T @ x
+    x = linalg.matmul(bl.T, x)
   if br is not None:
-    x = x @ br
+    x = linalg.matmul(x, br)
   return x
 
 
 def rotate_out(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
   """``U_L X U_R^T`` (a missing side is the identity)."""
   if bl is not None:
-    x = bl @ x
+    x = linalg.matmul(bl, x)
   if br is not None:
-    x = x @ br.T
+    x = linalg.matmul(x, br.T)
   return x
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import lifting, matrices, validation
+from fisher_optax import lifting, linalg, matrices, validation
 
 MISUSE = (
     "a low-rank `Subspace` message (made by low_rank_track or random_project) was used "
@@ -213,7 +213,7 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
 
 @jax.jit
 def _times(a: jax.Array, b: jax.Array) -> jax.Array:
-  return a @ b
+  return linalg.matmul(a, b)
 
 
 def dense_low_rank(s: Subspace) -> jax.Array:

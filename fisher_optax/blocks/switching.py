@@ -86,7 +86,7 @@ class Switch:
     g = g.astype(jnp.float32)
     if g.shape[-2] > g.shape[-1]:
       return g
-    return g @ jnp.swapaxes(g, -1, -2)
+    return linalg.matmul(g, jnp.swapaxes(g, -1, -2))
 
   def first(self, g: jax.Array, r: int) -> jax.Array:
     """Step-1 basis: top-``r`` eigenvectors of ``G G^T``."""
@@ -144,18 +144,18 @@ class Switch:
     fix = linalg.canonical_signs if signs else (lambda x: x)
 
     def q_times(u):
-      cu = c @ u if gram else c @ (c.T @ u)
+      cu = linalg.matmul(c, u) if gram else linalg.matmul(c, linalg.matmul(c.T, u))
       out = (1 - b3) * cu if q_old is not None else cu
       if q_old is not None:
-        out = out + b3 * (u_old @ (q_old @ (u_old.T @ u)))
+        out = out + b3 * linalg.matmul(u_old, linalg.matmul(q_old, linalg.matmul(u_old.T, u)))
       return out
 
     u1 = u_old
     for _ in range(self.iters):
       u1 = linalg.orthonormalize(q_times(u1))
     # the Rayleigh quotient U^T Q U is symmetric by construction; every result is re-signed
-    _, v = linalg.eigh_desc(u1.T @ q_times(u1), signs=False, symmetrize=False)
-    ritz = u1 @ v
+    _, v = linalg.eigh_desc(linalg.matmul(u1.T, q_times(u1)), signs=False, symmetrize=False)
+    ritz = linalg.matmul(u1, v)
     if self.leading is None or m == r:
       return fix(ritz)
     if isinstance(self.leading, int):

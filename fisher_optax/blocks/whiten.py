@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import lifting, matrices, validation
+from fisher_optax import lifting, linalg, matrices, validation
 
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)
 CUBIC_COEFFS = (1.5, -0.5, 0.0)
@@ -54,8 +54,8 @@ def newton_schulz(g: jax.Array, coeffs: Sequence[float] = MUON_COEFFS, steps: in
   a, b, cc = (float(v) for v in coeffs)
 
   def body(_, x):
-    s = x @ x.T
-    return a * x + (b * s + cc * (s @ s)) @ x
+    s = linalg.matmul(x, x.T)
+    return a * x + linalg.matmul(b * s + cc * linalg.matmul(s, s), x)
 
   if isinstance(steps, int):
     for i in range(steps):
@@ -68,7 +68,7 @@ def exact_whitening(g: jax.Array, rcond: float = 1e-6) -> jax.Array:
   """``(G G^T)^{+1/2} G = U_r V_r^T`` of one matrix by a float32 SVD."""
   u, s, vt = jnp.linalg.svd(g.astype(jnp.float32), full_matrices=False)
   keep = (s > rcond * jnp.max(s)) & (s > 0)
-  return (u * keep[None, :].astype(jnp.float32)) @ vt
+  return linalg.matmul(u * keep[None, :].astype(jnp.float32), vt)
 
 
 def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEFFS,
