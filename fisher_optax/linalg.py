@@ -2,7 +2,8 @@
 
 All functions act on one matrix (callers ``vmap`` over stacks) and compute in
 float32 whatever the input dtype, matrix products at float32 precision on every backend
-(:func:`matmul`; docs: "Numerics policy"). Eigen/singular vectors are
+unless ``jax.default_matmul_precision`` says otherwise (:func:`matmul`; docs: "Numerics
+policy"). Eigen/singular vectors are
 returned with a canonical sign -- the entry of largest magnitude in each column is
 positive -- so that results do not depend on the LAPACK/cuSOLVER sign convention,
 precision or device. That matters because the low-rank methods carry moments over
@@ -16,18 +17,23 @@ import jax.numpy as jnp
 
 f32 = jnp.float32
 
-# Every matrix product of the blocks requests float32 precision. JAX's default float32
-# product is not float32 on accelerators: TensorFloat-32 on NVIDIA GPUs (10-bit
-# mantissa), one bfloat16 pass on TPUs. The blocks' products form the statistics that
-# eigendecompositions and QR read and the rotations and projections that Adam-style
+# Every matrix product of the blocks requests float32 precision unless the user has
+# chosen one with JAX's own ``jax.default_matmul_precision`` (config or context). JAX's
+# default float32 product is not float32 on accelerators: TensorFloat-32 on NVIDIA GPUs
+# (10-bit mantissa), one bfloat16 pass on TPUs. The blocks' products form the statistics
+# that eigendecompositions and QR read and the rotations and projections that Adam-style
 # normalisations divide by, so their rounding reaches the update magnified (docs:
-# "Numerics policy" gives the measured effect).
+# "Numerics policy" gives the measured effect). An explicit choice is followed, so a run
+# that wants TensorFloat-32's speed in the optimizer can have it; the setting is read at
+# trace time and is part of ``jax.jit``'s cache key.
 PRECISION = jax.lax.Precision.HIGHEST
 
 
 def matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a @ b`` (``jnp.matmul`` broadcasting) computed at float32 precision on every backend."""
-  return jnp.matmul(a, b, precision=PRECISION)
+  """``a @ b`` (``jnp.matmul`` broadcasting) at float32 precision on every backend, or at
+  the precision set with ``jax.default_matmul_precision`` where one is set."""
+  chosen = jax.config.jax_default_matmul_precision
+  return jnp.matmul(a, b, precision=PRECISION if chosen is None else None)
 
 
 # Products with a vector are written as broadcast-multiply-reduce, not ``@``: the same

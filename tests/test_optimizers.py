@@ -327,17 +327,19 @@ def _dot_precisions(jaxpr) -> list:
 @pytest.mark.parametrize("name", registry.NAMES)
 def test_every_matrix_product_requests_float32_precision(name):
   """JAX's default float32 product is TensorFloat-32 on NVIDIA GPUs and one bfloat16 pass
-  on TPUs; every product of the blocks asks for float32 itself, refresh branches included.
-  Traced under a bfloat16 default, so that a product without its own precision shows as
-  ``DEFAULT``. RACS and APOLLO-mini (rank 1) multiply only by vectors, as multiply-reduce,
-  so they have none."""
+  on TPUs; every product of the blocks asks for float32 itself, refresh branches included
+  (a product that does not shows no precision in the jaxpr). A precision chosen with
+  ``jax.default_matmul_precision`` is followed instead. RACS and APOLLO-mini (rank 1)
+  multiply only by vectors, as multiply-reduce, so they have none."""
   tx = registry.make(name)
   params = small_params()
-  with jax.default_matmul_precision("bfloat16"):
-    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
-  precisions = _dot_precisions(jaxpr)
-  assert bool(precisions) == (name not in ("racs", "apollo_mini")), (
-      f"{name}: {len(precisions)} products")
-  highest = (jax.lax.Precision.HIGHEST,) * 2
-  wrong = [p for p in precisions if tuple(p) != highest]
-  assert not wrong, f"{name}: {len(wrong)} of {len(precisions)} products at {wrong[0]}"
+  state = tx.init(params)
+  for chosen, expected in ((None, jax.lax.Precision.HIGHEST),
+                           ("tensorfloat32", jax.lax.Precision.HIGH)):
+    with jax.default_matmul_precision(chosen):
+      jaxpr = jax.make_jaxpr(tx.update)(params, state, params).jaxpr
+    precisions = _dot_precisions(jaxpr)
+    assert bool(precisions) == (name not in ("racs", "apollo_mini")), (
+        f"{name}: {len(precisions)} products")
+    wrong = [p for p in precisions if p is None or tuple(p) != (expected, expected)]
+    assert not wrong, f"{name} under {chosen}: {len(wrong)} of {len(precisions)} at {wrong[0]}"
