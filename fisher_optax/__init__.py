@@ -12,12 +12,14 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  OnCoefficientsState, RandomProjectState, RotateSideState,
                                  RotateState, ScaleByBiasCorrectionState, ScaleByMomentsState,
                                  ScaleByMomentumState, ScaleByTwoSidedState, Subspace,
-                                 SubspaceGuard, SvdRefresh, Switch, compensate, in_subspace,
+                                 SubspaceGuard, SubspaceRefresh, SvdRefresh, Switch,
+                                 compensate, in_subspace,
                                  low_rank_track, norm_growth_limiter, normalize,
                                  on_coefficients, project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_moments,
                                  scale_by_momentum, scale_by_shape, scale_by_subspace_ratio,
-                                 scale_by_two_sided, svd_refresh, switch, whiten)
+                                 scale_by_two_sided, subspace_refresh, svd_refresh, switch,
+                                 whiten)
 from fisher_optax.flax_dims import FlaxDims, flax_dims
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
@@ -35,8 +37,8 @@ __all__ = [
     "compensate", "in_subspace", "low_rank_track", "norm_growth_limiter", "normalize",
     "on_coefficients", "project_back", "random_project", "rotate",
     "scale_by_bias_correction", "scale_by_moments", "scale_by_momentum", "scale_by_shape",
-    "scale_by_subspace_ratio", "scale_by_two_sided", "svd_refresh", "switch", "whiten",
-    "Subspace", "SubspaceGuard", "SvdRefresh", "Switch",
+    "scale_by_subspace_ratio", "scale_by_two_sided", "subspace_refresh", "svd_refresh",
+    "switch", "whiten", "Subspace", "SubspaceGuard", "SubspaceRefresh", "SvdRefresh", "Switch",
     # states
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "RandomProjectState", "RotateSideState", "RotateState", "ScaleByBiasCorrectionState",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import jax.numpy as jnp
 import optax
@@ -23,7 +23,8 @@ from fisher_optax.parallel import explicit_axes
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
-                                 scale_by_moments, scale_by_two_sided, svd_refresh, switch)
+                                 scale_by_moments, scale_by_two_sided, subspace_refresh,
+                                 svd_refresh, switch)
 from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
 from fisher_optax.blocks.whiten import MUON_COEFFS
 
@@ -77,11 +78,15 @@ _COMMON_ARGS = """\
       function of your own must be in its ``static_args``.
     stack_matrices: run the structured rule on same-shape matrices stacked into one
       ``(k, m, n)`` array per shape (``fisher_optax.stacking``):
-      the same per-matrix update, state stored per shape instead of per leaf, compile
-      time flat in depth for models with one leaf per layer (default ``False``). The
-      price: the update holds a transient copy of the routed matrix gradients (XLA
-      temporary memory; +350-650 MiB on the 130M LLaMA) and spends the copies' time
-      on every step; checkpoints of the two layouts are not interchangeable.
+      the same per-matrix update, state stored per shape instead of per leaf, one
+      batched kernel per shape instead of one per leaf, compile time flat in depth for
+      models with one leaf per layer. ``True``, ``False`` or ``"auto"`` (default:
+      stacked where ``jax.default_backend()`` is a GPU or TPU when the optimizer is
+      built, per-leaf on CPU, as measured faster on each). The price: the update holds
+      a transient copy of the routed matrix gradients (XLA temporary memory;
+      +350-650 MiB on the 130M LLaMA). Checkpoints of the two layouts are not
+      interchangeable: a state of the other layout is a ``ValueError`` that says
+      which ``stack_matrices`` continues it.
       Matrices that draw random numbers (switching, APOLLO) get other draws.
     fallback: transformation for the other leaves (default ``optax.adam(learning_rate)``
       run in float32), e.g. ``optax.adamw(lr, weight_decay=0.1)``."""
@@ -130,7 +135,7 @@ def _ex(call: str) -> str:
 
 def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dims, fallback,
             weight_decay=None, *, name: str = "structured", rank: Optional[int] = None,
-            stack: bool = False):
+            stack: Union[bool, str] = False):
   """Closes a chain: ``blocks(block_dims)``, decoupled weight decay on the structured
   leaves, then the step size; then the optional stacked layout, ``Auto`` axes under an
   ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
@@ -150,6 +155,7 @@ def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, di
   # ``None`` (not 0) means no decay, as in optax: then a traced weight decay under
   # ``optax.inject_hyperparams`` gives the same state structure as a Python number
   decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
+  stack = stacking.resolve(stack)
   structured = optax.chain(*blocks(None if stack else dims), *decay,
                            optax.scale_by_learning_rate(learning_rate))
   if stack:
@@ -166,7 +172,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
          iters: int = 5, limiter: Optional[float] = 1.01, eps: float = 1e-8,
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
-         stack_matrices: bool = False,
+         stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""RACS, row and column scaled SGD (paper Sec. 4, Alg. "RACS").
@@ -239,7 +245,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
           eps: float = 1e-8, seed: int = 0,
           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
           dims: matrices.DimsSpec = None,
-          stack_matrices: bool = False,
+          stack_matrices: Union[bool, str] = "auto",
           fallback: Optional[optax.GradientTransformation] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice, low-rank Eigen-Adam with tracking, switching and compensation (paper Sec. 5.4,
@@ -299,7 +305,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
            b2: float = 0.9, limiter: Optional[float] = 1.01, eps: float = 1e-8, seed: int = 0,
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
-           stack_matrices: bool = False,
+           stack_matrices: Union[bool, str] = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-0: :func:`alice` without tracking (``b3 = 0``: no ``r x r`` state; paper Sec.
@@ -349,7 +355,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                seed: int = 0, weight_decay: Optional[optax.ScalarOrSchedule] = None,
                mask: Any = None,
                dims: matrices.DimsSpec = None,
-               stack_matrices: bool = False,
+               stack_matrices: Union[bool, str] = "auto",
                fallback: Optional[optax.GradientTransformation] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-SOAP: a two-sided low-rank SOAP from the paper's tracking / switching /
@@ -427,8 +433,12 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                  stack=stack_matrices, name="alice_soap", rank=rank)
 
 
-def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype):
-  track = low_rank_track(rank=rank, interval=interval, refresh=svd_refresh(), dims=dims,
+def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype, refresh):
+  refresh = subspace_refresh() if refresh is None else refresh
+  if not isinstance(refresh, (type(subspace_refresh()), type(svd_refresh()))):
+    raise TypeError("`refresh` must be fo.subspace_refresh(...) or fo.svd_refresh(), got "
+                    f"{refresh!r}")
+  track = low_rank_track(rank=rank, interval=interval, refresh=refresh, dims=dims,
                          state_dtype=state_dtype)
   return [track, track.on_coefficients(scale_by_moments(b1, b2, eps, mu_dtype=state_dtype))]
 
@@ -438,15 +448,15 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            scale: float = 0.3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
-           stack_matrices: bool = False,
+           stack_matrices: Union[bool, str] = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
-           state_dtype=None) -> optax.GradientTransformationExtraArgs:
+           state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""GaLore (Zhao et al. 2024, arXiv:2403.03507; paper App. "Low rank optimizers"), as its
   release behaves.
 
   .. math::
 
-    U = \mathrm{svd}_r(G) \text{ every } K \text{ steps},\quad \sigma = U^\top G,\quad
+    U \approx \mathrm{svd}_r(G) \text{ every } K \text{ steps},\quad \sigma = U^\top G,\quad
     W \leftarrow W - \eta_t\, c_t\, \mathrm{scale}\; U \frac{M}{\sqrt{V} + \epsilon},
     \quad c_t = \frac{\sqrt{1 - b_2^t}}{1 - b_1^t}
 
@@ -456,16 +466,20 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   Args:
     learning_rate: ``eta_t``, a float or an optax schedule.
     rank: ``r`` (paper: 256); static.
-    interval: SVD refresh period ``K`` (paper: 200).
+    interval: refresh period ``K`` (paper: 200).
     scale: GaLore's ``alpha`` (default 0.3, the paper's runs).
     b1: first-moment decay.
     b2: second-moment decay.
     eps: Adam's ``epsilon`` (release: 1e-6).
 {common}
     state_dtype: dtype of the state arrays (default float32).
+    refresh: how ``U`` is refreshed: :func:`~fisher_optax.subspace_refresh` (default:
+      warm-started subspace iteration, matrix products and ``r x r`` factorizations,
+      batched per shape on accelerators) or :func:`~fisher_optax.svd_refresh` (the
+      release's exact SVD, one matrix at a time on GPUs).
   """
   def blocks(bd):
-    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
+    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype, refresh) + [
         project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
@@ -479,9 +493,9 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          limiter: Optional[float] = 1.01,
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
-         stack_matrices: bool = False,
+         stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
-         state_dtype=None) -> optax.GradientTransformationExtraArgs:
+         state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Fira (Chen et al. 2024, arXiv:2410.01623): GaLore plus the norm-based scaled residual
   and a norm-growth limiter, as its release.
 
@@ -496,7 +510,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
   Args:
     learning_rate: ``eta_t``, a float or an optax schedule.
     rank: ``r`` (paper: 256); static.
-    interval: SVD refresh period (paper: 200).
+    interval: refresh period (paper: 200).
     scale: GaLore's ``alpha`` (default 0.3, the paper's runs).
     b1: first-moment decay.
     b2: second-moment decay.
@@ -505,9 +519,13 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
       disables it.
 {common}
     state_dtype: dtype of the state arrays (default float32).
+    refresh: how ``U`` is refreshed: :func:`~fisher_optax.subspace_refresh` (default:
+      warm-started subspace iteration, matrix products and ``r x r`` factorizations,
+      batched per shape on accelerators) or :func:`~fisher_optax.svd_refresh` (the
+      release's exact SVD, one matrix at a time on GPUs).
   """
   def blocks(bd):
-    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype) + [
+    return _galore_head(rank, interval, b1, b2, eps, bd, state_dtype, refresh) + [
         compensate(method="fira", alpha_c=1.0, scale=scale, limiter=limiter, dims=bd),
         scale_by_bias_correction(b1, b2)]
 
@@ -533,7 +551,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                max_precond_dim: Optional[int] = None,
                weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
-               stack_matrices: bool = False,
+               stack_matrices: Union[bool, str] = "auto",
                fallback: Optional[optax.GradientTransformation] = None
                ) -> optax.GradientTransformationExtraArgs:
   r"""Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, Alg. "Eigen-Adam").
@@ -572,7 +590,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          precondition_frequency: int = 10, max_precond_dim: Optional[int] = None,
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
-         stack_matrices: bool = False,
+         stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SOAP (Vyas et al. 2024, arXiv:2409.11321; paper Sec. 3.5, App. "SOAP/AdaDiag++"), as
@@ -618,7 +636,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
             max_precond_dim: Optional[int] = None,
             weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
-            stack_matrices: bool = False,
+            stack_matrices: Union[bool, str] = "auto",
             fallback: Optional[optax.GradientTransformation] = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""Shampoo (Gupta et al. 2018, arXiv:1802.09568; paper Sec. 3.2, App. "Shampoo").
@@ -688,7 +706,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            limiter: Optional[float] = 1.01, seed: int = 0,
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
-           stack_matrices: bool = False,
+           stack_matrices: Union[bool, str] = "auto",
            fallback: Optional[optax.GradientTransformation] = None
            ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO (Zhu et al. 2024, arXiv:2412.05270; paper App. "Apollo"), as its release:
@@ -725,7 +743,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 limiter: Optional[float] = 1.01, seed: int = 0,
                 weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                 dims: matrices.DimsSpec = None,
-                stack_matrices: bool = False,
+                stack_matrices: Union[bool, str] = "auto",
                 fallback: Optional[optax.GradientTransformation] = None
                 ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO-mini (Zhu et al. 2024, arXiv:2412.05270): :func:`apollo` at rank 1 with
@@ -764,7 +782,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = 0.2,
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
-         stack_matrices: bool = False,
+         stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SWAN (Ma et al. 2024, arXiv:2412.13148; paper App. "SWAN", Sec. 3.3): stateless
@@ -803,7 +821,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
          steps: int = 5, coeffs: tuple = MUON_COEFFS, consistent_rms: Optional[float] = None,
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
-         stack_matrices: bool = False,
+         stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Muon by composition (Jordan et al. 2024; paper App. "Muon"): whitening of the

@@ -304,6 +304,16 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   return out
 
 
+_GROUP_KEY = re.compile(r" \d+x\d+$")
+
+
+def _stacked_layout(flat: list) -> bool:
+  """Whether flattened state paths hold a :func:`fisher_optax.stacking.stack_matrices`
+  state: its arrays sit under keys named ``"<path> <fan_in>x<fan_out>"``."""
+  return any(isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)
+             and _GROUP_KEY.search(k.key) for path, _ in flat for k in path)
+
+
 def check_state(init: Callable[[Any], Any], updates: Any, state: Any, name: str) -> None:
   """Raises a ``ValueError`` naming the first state leaf that does not fit ``updates``
   (a state saved for another tree: other shapes, other leaf count), by comparing
@@ -311,6 +321,15 @@ def check_state(init: Callable[[Any], Any], updates: Any, state: Any, name: str)
   masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (a leaf routed elsewhere)
   want = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init, updates), is_leaf=masked)[0]
   got = jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
+  stacked_want, stacked_got = _stacked_layout(want), _stacked_layout(got)
+  if stacked_want != stacked_got:
+    layout = lambda st: "stacked (stack_matrices=True)" if st else "per-leaf (stack_matrices=False)"  # noqa: E731
+    raise ValueError(
+        f"{name}: the optimizer state is in the {layout(stacked_got)} layout, this optimizer "
+        f"uses the {layout(stacked_want)} layout. The default stack_matrices='auto' stacks "
+        "on GPU and TPU and not on CPU, so a state saved on one backend does not fit an "
+        f"optimizer built on the other: build it with stack_matrices={stacked_got} to "
+        "continue this state (same updates, either layout runs on every backend).")
   for (pw, w), (pg, g) in zip(want, got):
     if pw != pg or masked(w) != masked(g):
       raise ValueError(f"{name}: the optimizer state does not fit these updates: the state "

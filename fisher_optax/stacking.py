@@ -99,6 +99,24 @@ class Stack(NamedTuple):
   members: list
 
 
+AUTO = "auto"
+
+
+def resolve(stack_matrices: Any) -> bool:
+  """``stack_matrices`` of a named optimizer as a bool: ``"auto"`` stacks on GPU and TPU
+  (``jax.default_backend()`` when the optimizer is built) and not on CPU.
+
+  Measured (docs: "Performance"): on an NVIDIA H200, stacking took the 60M LLaMA's
+  ordinary step from 2.18x to 0.90x ``optax.adam``'s (RACS) and from 2.47x to 1.36x
+  (Alice), each matrix's kernels otherwise launched one leaf at a time; on a 2-core CPU
+  the per-leaf layout is as fast and holds no transient copy of the gradients."""
+  if isinstance(stack_matrices, bool):
+    return stack_matrices
+  if stack_matrices == AUTO:
+    return jax.default_backend() != "cpu"
+  raise ValueError(f"`stack_matrices` must be True, False or 'auto', got {stack_matrices!r}")
+
+
 def is_stacked(tx: Any) -> bool:
   """Whether ``tx`` is a named optimizer built with ``stack_matrices=True``."""
   return (isinstance(tx, routing.RoutedTransformation)

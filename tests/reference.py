@@ -48,6 +48,25 @@ def switch(Q, U, l, pick, t):
   return canon(np.concatenate(cols, axis=1))
 
 
+def subspace_iteration(C, U, r, iters, seed):
+  """Warm-started subspace iteration with Rayleigh-Ritz on an explicit ``C = G G^T``
+  (Golub and Van Loan, Sec. 8.2.4): ``iters`` steps ``U <- QR((C + delta I) U)``,
+  ``delta = 1e-6 ||C U||_F``, then ``U <- U V`` with ``V`` the eigenvectors of
+  ``U^T C U`` (descending, canonical signs). ``U=None`` (the first refresh): ``2 iters``
+  steps from the orthonormalized Gaussian ``m x r`` matrix of ``jax.random.PRNGKey(seed)``
+  (the library's fixed start)."""
+  import jax  # the start matrix is JAX's draw; everything else is float64 numpy
+  if U is None:
+    U = np.linalg.qr(np.asarray(jax.random.normal(jax.random.PRNGKey(seed),
+                                                  (C.shape[0], r)), np.float64))[0]
+    iters = 2 * iters
+  for _ in range(iters):
+    Y = C @ U
+    U, _ = np.linalg.qr(Y + 1e-6 * np.linalg.norm(Y) * U)
+  _, v = eig_desc(U.T @ C @ U)
+  return canon(U @ v)
+
+
 def compensation(g, U, sigma, p, b1, d):
   """Paper Alg. "Compensation" (statistic as ``colsum(G^2) - colsum(sigma^2)``); a column
   whose residual is at float32 rounding level (``<= 1e-10`` of the column's squared norm)
@@ -223,8 +242,12 @@ class GaloreRef:
   """GaLore release (paper App. Alg. "GaLore"); ``fira=True`` adds Fira's compensation."""
 
   def __init__(self, m, n, *, lr, rank, interval, scale=0.3, b1=0.9, b2=0.999, eps=1e-6,
-               gamma=1.01, fira=False):
+               gamma=1.01, fira=False, refresh=None):
     assert m <= n
+    # ``refresh``: the library's policy object; the release's SVD for ``svd_refresh()``,
+    # else (the default, ``subspace_refresh``) warm-started subspace iteration
+    self.svd = type(refresh).__name__ == "SvdRefresh"
+    self.iters, self.seed = getattr(refresh, "iters", 2), getattr(refresh, "seed", 0)
     self.r = min(rank, m)
     self.U = None
     self.M = np.zeros((self.r, n))
@@ -239,8 +262,11 @@ class GaloreRef:
     self.t += 1
     t = self.t
     if (t - 1) % k["interval"] == 0:
-      u, _, _ = np.linalg.svd(g, full_matrices=False)
-      self.U = canon(u[:, : self.r])
+      if self.svd:
+        u, _, _ = np.linalg.svd(g, full_matrices=False)
+        self.U = canon(u[:, : self.r])
+      else:
+        self.U = subspace_iteration(g @ g.T, self.U, self.r, self.iters, self.seed)
     U = self.U
     sigma = U.T @ g
     self.M = k["b1"] * self.M + (1 - k["b1"]) * sigma

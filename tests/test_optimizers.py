@@ -30,6 +30,20 @@ def test_matches_dense_float64_reference(name, shape):
     assert err < 1e-4, f"{name} step {t}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ["galore", "fira"])
+def test_exact_svd_refresh_matches_the_release(name, shape):
+  """``refresh=fo.svd_refresh()``: the released GaLore / Fira (float64 SVD at every
+  refresh), 7 steps, refreshes at t = 1, 4, 7."""
+  grads = structured_grads(shape, 7, seed=1)
+  kw = dict(registry.WITH_REFERENCE[name], refresh=fo.svd_refresh())
+  lib = run_library(name, shape, grads, **kw)
+  ref = run_reference(name, shape, grads, **kw)
+  for t, (a, b) in enumerate(zip(lib, ref), start=1):
+    err = np.linalg.norm(a - b) / np.linalg.norm(b)
+    assert err < 1e-4, f"{name} step {t}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("name", REFERENCED)
 def test_tree_of_same_shape_leaves_matches_dense_references(name):
   """7 steps, refreshes at t = 1, 4, 7, on a tree whose same-shape matrices are stacked."""
@@ -54,7 +68,8 @@ def test_galore_equals_optax_contrib_galore_on_square_matrices(b1, steps):
   """
   grads = structured_grads((8, 8), steps, seed=3)
   kw = dict(rank=3, scale=0.25)
-  ours = run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, **kw), grads, (8, 8))
+  ours = run_opt(fo.galore(LR, interval=3, b1=b1, b2=0.99, eps=1e-8, refresh=fo.svd_refresh(),
+                           **kw), grads, (8, 8))
   # optax's products follow JAX's default precision (TensorFloat-32 on NVIDIA GPUs); ours
   # are float32 on every backend
   with jax.default_matmul_precision("float32"):

@@ -125,3 +125,29 @@ def test_stacked_state_holds_statistics_only():
   assert isinstance(inner, stacking.StackMatricesState)
   for x in jax.tree.leaves(inner):
     assert x.dtype == jnp.float32 or (x.dtype == jnp.int32 and x.shape == ()), x
+
+
+# ------------------------------------------------------------ stack_matrices="auto"
+
+
+def test_auto_layout_follows_the_backend():
+  """``"auto"`` (the default) stacks on GPU/TPU and not on CPU; True/False are kept."""
+  from fisher_optax import stacking
+  assert stacking.resolve("auto") == (jax.default_backend() != "cpu")
+  assert stacking.resolve(True) is True and stacking.resolve(False) is False
+  assert stacking.is_stacked(fo.racs(1e-2)) == (jax.default_backend() != "cpu")
+  assert stacking.is_stacked(fo.alice(1e-2, rank=2, stack_matrices=True))
+  with pytest.raises(ValueError, match="True, False or 'auto'"):
+    fo.racs(1e-2, stack_matrices="yes")
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_state_of_the_other_layout_names_the_setting_that_continues_it(saved):
+  params = {"layers_0": {"w": jnp.ones((4, 6))}, "layers_1": {"w": jnp.ones((4, 6))}}
+  grads = jax.tree.map(lambda p: 0.1 * p, params)
+  state = fo.racs(1e-2, stack_matrices=saved).init(params)
+  other = fo.racs(1e-2, stack_matrices=not saved)
+  with pytest.raises(ValueError, match=f"build it with stack_matrices={saved}"):
+    other.update(grads, state, params)
+  # the layout it names continues the state
+  fo.racs(1e-2, stack_matrices=saved).update(grads, state, params)

@@ -8,7 +8,8 @@ from fisher_optax.blocks.subspace import (OnCoefficientsState, Subspace, Subspac
                                           in_subspace, on_coefficients, project_back)
 from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMomentsState,
                                          scale_by_bias_correction, scale_by_moments)
-from fisher_optax.blocks.switching import Switch, SvdRefresh, svd_refresh, switch
+from fisher_optax.blocks.switching import (SubspaceRefresh, Switch, SvdRefresh,
+                                          subspace_refresh, svd_refresh, switch)
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
 from fisher_optax.blocks.rotate import RotateSideState, RotateState, rotate
 from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,
