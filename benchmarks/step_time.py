@@ -1,6 +1,6 @@
 """Time the jitted optimizer update alone against optax.adam, in the same process.
 
-    python benchmarks/step_time.py [--preset 60M] [--reps 20] [--json]
+    python benchmarks/step_time.py [--preset 60M] [--reps 20] [--layout auto] [--json]
 
 For the parameter shapes of a LLaMA preset (float32), each optimizer's jitted
 ``update`` (gradients -> updates and new state) is timed on an ordinary step and on a
@@ -41,8 +41,11 @@ import optax
 from flax import nnx
 
 import fisher_optax as fo
+from fisher_optax import stacking
 from examples.llama import presets
 from examples.llama.model import Llama
+
+LAYOUTS = {"auto": "auto", "stacked": True, "per-leaf": False}
 
 OPTIMIZERS = ("racs", "alice", "alice0", "galore", "fira", "apollo", "apollo_mini",
               "eigen_adam", "soap", "shampoo")
@@ -76,10 +79,11 @@ def interval_of(name: str, preset: str) -> int:
       name, presets.LOW_RANK[preset][2])
 
 
-def setup(name: str, preset: str, stack_matrices: bool = False):
+def setup(name: str, preset: str, stack_matrices="auto"):
+  """``stack_matrices``: ``True``, ``False`` or ``"auto"`` (the library's default)."""
   cfg = presets.model_config(preset)
   params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
-  kw = dict(stack_matrices=True) if stack_matrices and _ours(name) else {}
+  kw = dict(stack_matrices=stack_matrices) if _ours(name) else {}
   tx = build(name, preset, **kw)
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), p.shape, p.dtype) * 1e-2,
                        params)
@@ -119,13 +123,13 @@ def _ours(name: str) -> bool:
 
 
 def compile_seconds(name: str, preset: str, *, stacked: bool = False,
-                    layers: int | None = None, stack_matrices: bool = False) -> tuple:
+                    layers: int | None = None, stack_matrices="auto") -> tuple:
   """Seconds to trace, lower and compile ``name``'s jitted update on ``preset``'s shapes,
   and the compiled update's temporary memory in bytes (XLA's ``memory_analysis``)."""
   params, dims = abstract_params(preset, stacked=stacked, layers=layers)
   kw = {} if dims is None or not _ours(name) else dict(dims=dims)
-  if stack_matrices and _ours(name):
-    kw["stack_matrices"] = True
+  if _ours(name):
+    kw["stack_matrices"] = stack_matrices
   tx = build(name, preset, **kw)
   state = jax.eval_shape(tx.init, params)
   jax.clear_caches()
@@ -136,7 +140,7 @@ def compile_seconds(name: str, preset: str, *, stacked: bool = False,
   return seconds, (memory.temp_size_in_bytes if memory is not None else float("nan"))
 
 
-def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices=False,
+def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices="auto",
                  repeat=1):
   """Compile seconds per optimizer and their ratio to Adam's. Each of ``repeat`` rounds
   compiles the optimizer between two Adam compiles; the figures are the best (least
@@ -192,8 +196,15 @@ def main():
   ap.add_argument("--repeat", type=int, default=1,
                   help="with --compile-only: rounds per optimizer; report the fastest")
   ap.add_argument("--stack-matrices", action="store_true",
-                  help="build the fisher_optax optimizers with stack_matrices=True")
+                  help="build the fisher_optax optimizers with stack_matrices=True "
+                       "(the same as --layout stacked)")
+  ap.add_argument("--layout", default="auto", choices=sorted(LAYOUTS),
+                  help="stack_matrices of the fisher_optax optimizers: the library's "
+                       "default 'auto' (stacked on GPU/TPU, per-leaf on CPU), or fixed")
+  ap.add_argument("--jsonl", action="store_true",
+                  help="print each optimizer's result as one JSON line when it is measured")
   args = ap.parse_args()
+  args.stack_matrices = True if args.stack_matrices else LAYOUTS[args.layout]
   names = [n for n in args.optimizers.split(",") if n]
   if args.compile_only:
     return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers,
@@ -206,7 +217,9 @@ def main():
     r = measure(name, args.preset, reps=args.reps, refresh_reps=args.refresh_reps,
                 stack_matrices=args.stack_matrices, adam=adam)
     results.append(r)
-    if not args.json:
+    if args.jsonl:
+      print(json.dumps(r), flush=True)
+    elif not args.json:
       print(f"{name:12s} ordinary {r['ratio_ordinary']:6.2f}x  refresh "
             f"{r['ratio_refresh']:7.2f}x  amortised(K={r['interval']}) "
             f"{r['ratio_amortised']:6.2f}x  compile {r['compile_s']:5.1f}s "
@@ -216,7 +229,7 @@ def main():
 
 
 def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
-            stack_matrices: bool = False, adam=None) -> dict:
+            stack_matrices="auto", adam=None) -> dict:
   """Times ``name``'s update on an ordinary and a refresh step in rounds interleaved with
   Adam's (medians); ratios to Adam's update, amortised over the refresh interval."""
   adam = adam or setup("adam", preset)
@@ -233,7 +246,10 @@ def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
       t_ref.append(time_call(step, grads, refresh_state, params))
   a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
   amort = ((k - 1) * o + r) / k
-  return dict(optimizer=name, preset=preset, adam_ms=a * 1e3, ordinary_ms=o * 1e3,
+  return dict(optimizer=name, preset=preset, stack_matrices=stack_matrices,
+              stacked=bool(_ours(name) and stacking.resolve(stack_matrices)),
+              matmul_precision=str(jax.config.jax_default_matmul_precision),
+              backend=jax.default_backend(), adam_ms=a * 1e3, ordinary_ms=o * 1e3,
               refresh_ms=r * 1e3, interval=k, ratio_ordinary=o / a, ratio_refresh=r / a,
               ratio_amortised=amort / a,
               compile_s=compile_s, adam_compile_s=adam[4])

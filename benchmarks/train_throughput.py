@@ -1,6 +1,7 @@
 """Full LLaMA train-step throughput (tokens/s) of optimizers vs optax.adam, interleaved.
 
     python benchmarks/train_throughput.py --preset small --optimizers racs,alice [--rounds 5]
+        [--dtype bfloat16] [--layout auto]
 
 Builds the example's jitted train step (forward, backward, optimizer update; buffers
 donated) for Adam and each optimizer in one process, then times ``--steps`` steps of each
@@ -39,14 +40,23 @@ def main():
   ap.add_argument("--steps", type=int, default=5, help="steps per timed block")
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--batch-size", type=int, default=None)
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                  help="parameter and activation dtype of the model")
+  ap.add_argument("--layout", default="auto", choices=("auto", "stacked", "per-leaf"),
+                  help="stack_matrices of the fisher_optax optimizers (default: the library's)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args()
+  layout = {"auto": None, "stacked": True, "per-leaf": False}[args.layout]
   names = ["adam"] + [n for n in args.optimizers.split(",") if n and n != "adam"]
   runs = {}
   for name in names:
-    targs = train_lib.parse_args(["--preset", args.preset, "--optimizer", name, "--steps", "1000"]
+    ours = name not in ("adam", "adamw", "muon")
+    targs = train_lib.parse_args(["--preset", args.preset, "--optimizer", name, "--steps", "1000",
+                                  "--dtype", args.dtype]
                                  + (["--batch-size", str(args.batch_size)]
-                                    if args.batch_size else []))
+                                    if args.batch_size else [])
+                                 + (["--hparams", json.dumps({"stack_matrices": layout})]
+                                    if ours and layout is not None else []))
     setup = train_lib.build(targs)
     params = train_lib.init_params(setup, 0)
     state = setup.tx.init(params)
@@ -88,7 +98,8 @@ def main():
   for name in names:
     r = runs[name]
     tps, amort, refresh = speeds(r)
-    out.append(dict(optimizer=name, preset=args.preset, tokens_per_s=tps,
+    out.append(dict(optimizer=name, preset=args.preset, dtype=args.dtype, layout=args.layout,
+                    backend=jax.default_backend(), tokens_per_s=tps,
                     ratio_to_adam=tps / adam_tps, refresh_step_ms=1e3 * refresh,
                     interval=r["interval"], amortised_tokens_per_s=amort,
                     amortised_ratio_to_adam=amort / adam_amort, compile_s=r["compile_s"],

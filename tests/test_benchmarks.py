@@ -144,3 +144,27 @@ def test_update_trace_compares_runs(tmp_path):
                         capture_output=True, text=True, cwd=ROOT)
   assert diff.returncode == 1
   assert [line.split()[0] for line in diff.stdout.splitlines() if "DIFFERS" in line] == ["galore"]
+
+
+@pytest.mark.example
+def test_device_check_smoke_writes_every_part(tmp_path):
+  """``device_check.py --smoke``: every part at toy sizes, the report and its JSON."""
+  import json
+  subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke",
+                  "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                 check=True)
+  (md,) = tmp_path.glob("*.md")
+  (js,) = tmp_path.glob("*.json")
+  data = json.loads(js.read_text())
+  assert data["skipped"] == [] and data["env"]["jax"]
+  assert data["parts"]["tests"]["counts"]["passed"] > 0
+  assert not data["parts"]["tests"]["failures"]
+  steps = data["parts"]["steps"]
+  assert {(r["optimizer"], r["layout"]) for r in steps} >= {("racs", "stacked"),
+                                                            ("racs", "per-leaf")}
+  assert all(r["ratio_ordinary"] > 0 and r["compile_s"] > 0 for r in steps)
+  assert [r["optimizer"] for r in data["parts"]["train"]][0] == "adam"
+  assert data["parts"]["precision"][0]["matmul_precision"] == "tensorfloat32"
+  text = md.read_text()
+  for heading in ("Test suite", "Update step", "Training step", "Matmul precision"):
+    assert heading in text

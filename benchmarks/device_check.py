@@ -1,0 +1,316 @@
+"""One command that checks fisher_optax on an accelerator and writes what it measured.
+
+    python benchmarks/device_check.py [--out benchmarks/results/device] [--budget 470]
+    python benchmarks/device_check.py --smoke --out /tmp/check      # toy sizes, CPU, minutes
+
+Parts, in this order (each a subprocess with a time limit; a part that would start with
+too little of ``--budget`` left is recorded as skipped, never silently dropped):
+
+1. ``env``: device, driver, JAX backend, and the jax/jaxlib/optax/flax/chex/numpy versions.
+2. ``tests``: the default test suite (``python -m pytest -q -n N tests``) at the device's
+   default matmul precision: pass/fail/skip counts and the failures by name.
+3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
+   for adam, racs, alice, alice0, galore, fira, apollo_mini, soap and the optax peers
+   (``optax.contrib.muon`` as ``muon``, ``optax.contrib.galore``): ordinary, refresh and
+   amortised step as ratios to ``optax.adam``'s update in the same process, and compile
+   seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
+4. ``train``: :mod:`benchmarks.train_throughput`: the LLaMA example's jitted training step
+   at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon.
+5. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
+   (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
+
+Writes ``OUT/<device>-<date>.md`` and ``OUT/<device>-<date>.json`` (the same numbers),
+rewritten after every part so that a run cut short keeps what it finished.
+
+On a machine with no network: on one with network, in the repository,
+``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+manylinux2014_x86_64 -d .whl optax==0.2.8 chex==0.1.92 orbax-checkpoint==0.12.8`` (plus
+jax, jaxlib and the CUDA plugin if the machine has none) into a folder git ignores,
+copy the checkout with it, and there run ``pip install --no-index --no-deps --target
+/tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:$PWD python benchmarks/device_check.py``.
+``pytest-xdist`` runs the tests in parallel when it is installed, else they run in one
+process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+FULL = dict(presets=("60M", "130M"),
+            optimizers=("racs", "alice", "alice0", "galore", "fira", "apollo_mini", "soap",
+                        "muon", "optax_galore"),
+            layouts=("stacked", "per-leaf"), reps=8, refresh_reps=2,
+            train_preset="60M", train_optimizers=("racs", "alice", "muon"), train_dtype="bfloat16",
+            train_rounds=3, train_steps=3,
+            precision_optimizers=("racs", "alice", "galore", "soap"),
+            tests=["tests"], caps=dict(tests=200, steps=150, train=150, precision=90))
+SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
+             layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
+             train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
+             train_rounds=1, train_steps=1, precision_optimizers=("galore",),
+             tests=["tests/test_refresh.py"], caps=dict(tests=300, steps=300, train=300,
+                                                        precision=300))
+
+
+class Check:
+  """The run's record and its time budget."""
+
+  def __init__(self, out: pathlib.Path, budget: float, smoke: bool):
+    self.t0, self.budget, self.smoke = time.monotonic(), budget, smoke
+    self.out = out
+    self.data: dict = dict(smoke=smoke, started=datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"), parts={}, skipped=[])
+
+  def left(self) -> float:
+    return self.budget - (time.monotonic() - self.t0)
+
+  def run(self, what: str, cmd: list, cap: float, env: dict | None = None):
+    """Runs ``cmd`` with at most ``min(cap, time left)`` seconds; returns ``(stdout,
+    stderr, returncode, seconds)``, or ``None`` (recorded as skipped) when under 20 s
+    are left. A command cut at its limit returns what it printed, code ``"timeout"``."""
+    limit = min(cap, self.left())
+    if limit < 20:
+      self.data["skipped"].append(what)
+      print(f"[device_check] skipped {what}: {self.left():.0f} s of the budget left", flush=True)
+      return None
+    print(f"[device_check] {what} (limit {limit:.0f} s)", flush=True)
+    t = time.monotonic()
+    full_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1",
+                    **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    try:
+      p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                         timeout=limit)
+      return p.stdout, p.stderr, p.returncode, time.monotonic() - t
+    except subprocess.TimeoutExpired as e:
+      dec = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
+      return dec(e.stdout), dec(e.stderr), "timeout", time.monotonic() - t
+
+
+def environment() -> dict:
+  import jax
+  env = dict(python=sys.version.split()[0], backend=jax.default_backend(),
+             devices=[str(d) for d in jax.devices()],
+             device_kind=jax.devices()[0].device_kind,
+             default_matmul_precision=str(jax.config.jax_default_matmul_precision))
+  for mod in ("jax", "jaxlib", "optax", "flax", "chex", "numpy", "orbax.checkpoint"):
+    try:
+      env[mod] = __import__(mod, fromlist=["__version__"]).__version__
+    except Exception as e:  # a missing package is part of what this reports
+      env[mod] = f"unavailable ({type(e).__name__})"
+  try:
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                        "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    if q.returncode == 0:
+      env["nvidia_smi"] = q.stdout.strip()
+  except (OSError, subprocess.TimeoutExpired):
+    pass
+  return env
+
+
+def device_slug(env: dict) -> str:
+  name = env.get("nvidia_smi", "").split(",")[0] or env["device_kind"]
+  if env["backend"] == "cpu":
+    name = "cpu"
+  return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def parse_pytest(stdout: str) -> dict:
+  counts = {k: int(n) for n, k in re.findall(
+      r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", stdout)}
+  failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, flags=re.M)
+  return dict(counts=counts, failures=failures)
+
+
+def jsonl(stdout: str) -> list:
+  rows = []
+  for line in stdout.splitlines():
+    line = line.strip()
+    if line.startswith("{"):
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        pass
+  return rows
+
+
+def part_tests(chk: Check, cfg: dict):
+  n = min(16, os.cpu_count() or 1)
+  xdist = ["-n", str(n)] if importlib.util.find_spec("xdist") and n > 1 else []
+  r = chk.run("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *xdist, *cfg["tests"]], cfg["caps"]["tests"])
+  if r is None:
+    return
+  out, err, code, sec = r
+  chk.data["parts"]["tests"] = dict(parse_pytest(out), returncode=code, seconds=sec,
+                                    command=f"python -m pytest -q {' '.join(xdist)} "
+                                            f"{' '.join(cfg['tests'])}",
+                                    tail=(out + err)[-1500:] if code not in (0, 1) else "")
+
+
+def step_rows(chk: Check, cfg: dict, what: str, preset: str, layout: str, names, env=None,
+              cap=None):
+  cmd = [sys.executable, "benchmarks/step_time.py", "--preset", preset, "--jsonl", "--layout",
+         layout, "--reps", str(cfg["reps"]), "--refresh-reps", str(cfg["refresh_reps"]),
+         "--optimizers", ",".join(names)]
+  r = chk.run(what, cmd, cap or cfg["caps"]["steps"], env)
+  if r is None:
+    return []
+  out, err, code, sec = r
+  rows = jsonl(out)
+  got = {x["optimizer"] for x in rows}
+  missing = [n for n in names if n not in got]
+  if missing:
+    chk.data["skipped"].append(f"{what}: {','.join(missing)} ({'cut at the limit' if code == 'timeout' else 'failed'})")
+    if code not in (0, "timeout"):
+      chk.data.setdefault("errors", []).append(dict(part=what, tail=err[-1500:]))
+  for x in rows:
+    x["layout"] = layout
+  return rows
+
+
+def part_steps(chk: Check, cfg: dict):
+  rows = chk.data["parts"].setdefault("steps", [])
+  for preset in cfg["presets"]:
+    for layout in cfg["layouts"]:
+      names = cfg["optimizers"] if layout == cfg["layouts"][0] else [
+          n for n in cfg["optimizers"] if n not in ("muon", "optax_galore")]  # peers: once
+      rows += step_rows(chk, cfg, f"steps {preset} {layout}", preset, layout, names)
+      chk.write()
+
+
+def part_train(chk: Check, cfg: dict):
+  cmd = [sys.executable, "benchmarks/train_throughput.py", "--preset", cfg["train_preset"],
+         "--optimizers", ",".join(cfg["train_optimizers"]), "--dtype", cfg["train_dtype"],
+         "--rounds", str(cfg["train_rounds"]), "--steps", str(cfg["train_steps"]), "--json"]
+  r = chk.run("train", cmd, cfg["caps"]["train"])
+  if r is None:
+    return
+  out, err, code, sec = r
+  try:
+    chk.data["parts"]["train"] = json.loads(out[out.index("["):])
+  except ValueError:
+    chk.data["skipped"].append(f"train ({'cut at the limit' if code == 'timeout' else 'failed'})")
+    chk.data.setdefault("errors", []).append(dict(part="train", tail=err[-1500:]))
+
+
+def part_precision(chk: Check, cfg: dict):
+  preset = cfg["presets"][0]
+  chk.data["parts"]["precision"] = step_rows(
+      chk, cfg, f"precision {preset} tensorfloat32", preset, "auto",
+      cfg["precision_optimizers"], env=dict(JAX_DEFAULT_MATMUL_PRECISION="tensorfloat32"),
+      cap=cfg["caps"]["precision"])
+
+
+PARTS = {"tests": part_tests, "steps": part_steps, "train": part_train,
+         "precision": part_precision}
+
+
+def markdown(d: dict) -> str:
+  env = d["env"]
+  lines = [f"# Device check: {env.get('nvidia_smi', env['device_kind'])}", "",
+           f"Started {d['started']}; `python benchmarks/device_check.py"
+           f"{' --smoke' if d['smoke'] else ''}`; {d.get('seconds', 0):.0f} s.", "",
+           "| | |", "|---|---|"]
+  lines += [f"| {k} | {v} |" for k, v in env.items()]
+  t = d["parts"].get("tests")
+  if t:
+    c = t["counts"]
+    lines += ["", "## Test suite at the device's default precision", "",
+              f"`{t['command']}`: " + ", ".join(f"{v} {k}" for k, v in c.items())
+              + f" in {t['seconds']:.0f} s (exit {t['returncode']})."]
+    lines += [f"- failed: `{f}`" for f in t["failures"]]
+  steps = d["parts"].get("steps")
+  if steps:
+    lines += ["", "## Update step against optax.adam (same process)", "",
+              "Ratios to `optax.adam`'s jitted update; amortised over the refresh interval K; "
+              "compile: trace, lower and compile seconds.", "",
+              "| preset | layout | optimizer | ordinary | refresh | amortised (K) | adam ms | compile s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in steps:
+      lay = r["layout"] if r.get("stacked") or r["layout"] != "stacked" else "n/a"
+      lines.append(f"| {r['preset']} | {lay} | {r['optimizer']} | {r['ratio_ordinary']:.2f}x | "
+                   f"{r['ratio_refresh']:.2f}x | {r['ratio_amortised']:.2f}x ({r['interval']}) | "
+                   f"{r['adam_ms']:.2f} | {r['compile_s']:.1f} |")
+  tr = d["parts"].get("train")
+  if tr:
+    lines += ["", f"## Training step ({tr[0]['preset']}, {tr[0]['dtype']}, layout {tr[0]['layout']})",
+              "", "| optimizer | tokens/s | of Adam | step ms | refresh step ms | amortised of Adam | compile s |",
+              "|---|---|---|---|---|---|---|"]
+    for r in tr:
+      lines.append(f"| {r['optimizer']} | {r['tokens_per_s']:,.0f} | {r['ratio_to_adam']:.1%} | "
+                   f"{r['step_ms']:.1f} | {r['refresh_step_ms']:.1f} | "
+                   f"{r['amortised_ratio_to_adam']:.1%} | {r['compile_s']:.1f} |")
+  pr = d["parts"].get("precision")
+  if pr:
+    base = {(r["optimizer"], r["preset"], bool(r.get("stacked"))): r for r in steps or []}
+    lines += ["", "## Matmul precision: float32 (library default) against TensorFloat-32", "",
+              "| optimizer | ordinary f32 / tf32 | refresh f32 / tf32 | compile s f32 / tf32 |",
+              "|---|---|---|---|"]
+    for r in pr:
+      b = base.get((r["optimizer"], r["preset"], bool(r.get("stacked"))))
+      f = (lambda k, fmt: f"{b[k]:{fmt}} / {r[k]:{fmt}}" if b else f"n/a / {r[k]:{fmt}}")  # noqa: E731
+      lines.append(f"| {r['optimizer']} | {f('ratio_ordinary', '.2f')} | "
+                   f"{f('ratio_refresh', '.2f')} | {f('compile_s', '.1f')} |")
+  if d["skipped"]:
+    lines += ["", "## Not measured in this run", ""] + [f"- {s}" for s in d["skipped"]]
+  return "\n".join(lines) + "\n"
+
+
+def write(chk: Check):
+  chk.data["seconds"] = time.monotonic() - chk.t0
+  chk.out.mkdir(parents=True, exist_ok=True)
+  stem = f"{device_slug(chk.data['env'])}-{chk.data['started'][:10]}"
+  (chk.out / f"{stem}.json").write_text(json.dumps(chk.data, indent=1))
+  (chk.out / f"{stem}.md").write_text(markdown(chk.data))
+  return chk.out / f"{stem}.md"
+
+
+Check.write = write
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "device"))
+  ap.add_argument("--smoke", action="store_true", help="every part at toy sizes (CPU, minutes)")
+  ap.add_argument("--budget", type=float, default=470.0,
+                  help="seconds for the whole check; parts that do not fit are skipped")
+  ap.add_argument("--parts", default=",".join(PARTS), help=f"any of {','.join(PARTS)}")
+  ap.add_argument("--presets", default=None, help="override the step presets, e.g. 60M")
+  ap.add_argument("--optimizers", default=None, help="override the step optimizers")
+  ap.add_argument("--layouts", default=None, help="override the step layouts, e.g. stacked")
+  args = ap.parse_args(argv)
+  cfg = dict(SMOKE if args.smoke else FULL)
+  if args.presets:
+    cfg["presets"] = tuple(args.presets.split(","))
+  if args.optimizers:
+    cfg["optimizers"] = tuple(args.optimizers.split(","))
+  if args.layouts:
+    cfg["layouts"] = tuple(args.layouts.split(","))
+  chk = Check(pathlib.Path(args.out), args.budget, args.smoke)
+  chk.data["env"] = environment()
+  chk.data["commit"] = os.environ.get("FISHER_OPTAX_COMMIT", "")
+  chk.write()
+  for name in args.parts.split(","):
+    if name not in PARTS:
+      ap.error(f"unknown part {name!r}; choose from {','.join(PARTS)}")
+    PARTS[name](chk, cfg)
+    path = chk.write()
+  print(f"[device_check] wrote {path} and its .json in {chk.data['seconds']:.0f} s", flush=True)
+  return chk.data
+
+
+if __name__ == "__main__":
+  main()
