@@ -21,7 +21,9 @@ What XLA's cost analysis does not count, and how the model adds it:
   it counts as free: their FLOPs are added from the textbook counts (Golub & Van Loan)
   for each call's operand shape -- ``9 n^3`` for a symmetric eigendecomposition with
   vectors, ``2 m n^2 - 2 n^3 / 3`` for a Householder QR and as much again to form the
-  thin ``Q``, ``6 m n^2 + 20 n^3`` for a thin SVD -- and their operands' bytes.
+  thin ``Q``, ``6 m n^2 + 20 n^3`` for a thin SVD, ``n^3 / 3`` for a Cholesky factor,
+  ``n^2 k`` for a triangular solve with ``k`` right-hand sides -- and their operands'
+  bytes.
 
 Each step's time is a roofline, ``max(FLOPs / peak FLOP/s, bytes / peak bandwidth)`` on
 the whole update (a lower bound: it assumes every kernel runs at whichever peak binds),
@@ -145,9 +147,11 @@ def loop_weighted_ops(hlo: str) -> dict:
           extra_bytes += (k - 1) * nbytes
       elif ins["op"] == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', ins["attrs"])
-        operand = _shapes(ins["attrs"].split("operand_layout_constraints=", 1)[-1])[:1]
+        operands_ = _shapes(ins["attrs"].split("operand_layout_constraints=", 1)[-1])[:2]
+        operand = operands_[:1]
         if target and operand:
-          f = decomposition_flops(target.group(1), operand[0][1])
+          f = decomposition_flops(target.group(1), operand[0][1],
+                                  operands_[1][1] if len(operands_) > 1 else None)
           if f:
             decomposition += k * f
             extra_bytes += k * 2 * _nbytes(operand)
@@ -157,9 +161,10 @@ def loop_weighted_ops(hlo: str) -> dict:
               unknown_trip_counts=unknown_trips)
 
 
-def decomposition_flops(target: str, shape: tuple) -> float:
+def decomposition_flops(target: str, shape: tuple, rhs: tuple | None = None) -> float:
   """Textbook FLOPs of one library decomposition call on an operand of ``shape``
-  (leading axes are a batch); 0 for a call that is no decomposition."""
+  (leading axes are a batch); 0 for a call that is no decomposition. ``rhs``: the second
+  operand's shape (a triangular solve's right-hand sides)."""
   *batch, m, n = shape if len(shape) >= 2 else (1, 1)
   b = float(np.prod(batch)) if batch else 1.0
   lo, hi = min(m, n), max(m, n)
@@ -170,6 +175,12 @@ def decomposition_flops(target: str, shape: tuple) -> float:
     return b * (2.0 * hi * lo ** 2 - 2.0 * lo ** 3 / 3.0)
   if "gesdd" in t or "gesvd" in t or "svd" in t:
     return b * (6.0 * hi * lo ** 2 + 20.0 * lo ** 3)
+  if "potrf" in t or "cholesky" in t:
+    return b * m ** 3 / 3.0
+  if "trsm" in t or "triangular" in t:
+    # an n x n triangular factor applied to the other side's k columns (or rows): n^2 k
+    k = float(np.prod(rhs)) / (b * m) if rhs else float(m)
+    return b * m * m * k
   return 0.0
 
 

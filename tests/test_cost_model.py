@@ -42,10 +42,17 @@ def test_decompositions_in_a_sequential_map_are_counted_per_matrix():
     ("lapack_ssyevd_ffi", (4, 10, 10), 4 * 9 * 1000),
     ("lapack_sgeqrf_ffi", (20, 10), 2 * 20 * 100 - 2 * 1000 / 3),
     ("lapack_sgesdd_ffi", (10, 20), 6 * 20 * 100 + 20 * 1000),
-    ("lapack_spotrf_ffi", (10, 10), 0.0),
+    ("lapack_spotrf_ffi", (3, 10, 10), 3 * 1000 / 3),
+    ("lapack_sgetrf_ffi", (10, 10), 0.0),
 ])
 def test_decomposition_flop_counts(target, shape, flops):
   assert cost_model.decomposition_flops(target, shape) == pytest.approx(flops)
+
+
+def test_triangular_solve_flops_count_the_right_hand_sides():
+  """``n^2 k``: a 10 x 10 factor (batch 3) applied to 7 right-hand sides."""
+  assert cost_model.decomposition_flops("lapack_strsm_ffi", (3, 10, 10), (3, 10, 7)) == \
+      pytest.approx(3 * 100 * 7)
 
 
 @pytest.mark.example
