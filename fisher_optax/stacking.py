@@ -135,21 +135,34 @@ def stacks_of(params: Any, labels: Any, dims: matrices.DimsSpec) -> list:
   return out
 
 
-def state_numbers_by_member(state: Any, stacks: list) -> dict:
-  """``{leaf index: numbers}``: the numbers of each stack's state (every array under a
-  key named like the stack) shared among its member leaves in proportion to their
-  matrices (every matrix of a stack holds the same state)."""
+def state_numbers_by_member(state: Any, stacks: list, *, nbytes: bool = False) -> dict:
+  """``{leaf index: numbers}`` (or bytes): the numbers of each stack's state (every array
+  under a key named like the stack) shared among its member leaves in proportion to
+  their matrices (every matrix of a stack holds the same state)."""
   per_stack = {s.name: 0 for s in stacks}
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     name = next((k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey)
                  and k.key in per_stack), None)
     if name is not None:
-      per_stack[name] += int(np.prod(getattr(leaf, "shape", ())))
+      size = int(np.prod(getattr(leaf, "shape", ())))
+      per_stack[name] += size * (np.dtype(leaf.dtype).itemsize if nbytes else 1)
   out: dict = {}
   for s in stacks:
     for i, view in s.members:
       out[i] = out.get(i, 0) + per_stack[s.name] * view.num_matrices // s.shape[0]
   return out
+
+
+def add_stacked_state(counts: list, rec: Any, paths: list, *, nbytes: bool = False) -> None:
+  """Adds the state numbers (or bytes) of a stacked named optimizer's stacks to their
+  member leaves: ``counts[i]`` belongs to the parameter path ``paths[i]``; ``rec`` is the
+  :class:`~fisher_optax.routing.RoutedInit` of the optimizer's ``init``."""
+  stacks = stacks_of(rec.params, rec.labels, rec.routed.dims)
+  inner_paths = [routing.path_to_str(p)
+                 for p, _ in jax.tree_util.tree_flatten_with_path(rec.params)[0]]
+  outer = {p: i for i, p in enumerate(paths)}
+  for i, numbers in state_numbers_by_member(rec.state, stacks, nbytes=nbytes).items():
+    counts[outer[inner_paths[i]]] += numbers
 
 
 def stack(p: StackPlan, tree: Any) -> dict:
@@ -179,6 +192,12 @@ def unstack(p: StackPlan, stacked: dict) -> Any:
   return p.treedef.unflatten(out)
 
 
+def _is_placeholder(x: Any) -> bool:
+  """optax.tree.map_params's stand-in for the parameters: a pytree node without children,
+  so only its type tells it apart from an empty tree."""
+  return type(x).__name__ == "_ParamsPlaceholder"
+
+
 def stack_matrices(inner: optax.GradientTransformation, *,
                    dims: matrices.DimsSpec = None) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` (a matrix transformation built with ``dims=None``) on the leaves
@@ -192,6 +211,14 @@ def stack_matrices(inner: optax.GradientTransformation, *,
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    if any(not hasattr(x, "shape") for x in jax.tree.leaves(params, is_leaf=_is_placeholder)):
+      raise ValueError(
+          "stack_matrices: the stacked layout's state is one array per stack of "
+          "same-shape matrices, not per parameter, so it cannot be initialised from "
+          "leaves without shapes (optax.tree.map_params initialises with placeholders). "
+          "The default stack_matrices='auto' stacks on GPU and TPU: build the optimizer "
+          "with stack_matrices=False for a parameter-shaped state, or use "
+          "fo.state_partition_specs / fo.state_shardings, which know both layouts.")
     p = plan(params, dims)
     return StackMatricesState(inner.init(stack(p, params)))
 

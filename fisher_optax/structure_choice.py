@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import optax
 
-from fisher_optax import routing
+from fisher_optax import routing, stacking
 from fisher_optax.inspect import memory
 from fisher_optax.fisher_report import FisherReport
 
@@ -105,10 +105,15 @@ def _leaf_of(matrix: str) -> str:
 def _state_bytes_by_leaf(tx: optax.GradientTransformation, params: Any) -> dict:
   """Bytes of ``tx``'s state attributed to each parameter path (a state leaf belongs to
   the parameter whose path ends its own path; counters belong to none)."""
-  state = jax.eval_shape(tx.init, params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  paths = [routing.path_to_str(p) for p, _ in flat]
+  with routing.record_routed_inits() as found:
+    state = jax.eval_shape(lambda p: tx.init(p), params)  # a new function: no cached trace
   counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat], nbytes=True)
-  return {routing.path_to_str(p): c for (p, _), c in zip(flat, counts)}
+  for rec in found:  # the stacked layout's state, per stack: shared among its members
+    if stacking.is_stacked(rec.routed):
+      stacking.add_stacked_state(counts, rec, paths, nbytes=True)
+  return dict(zip(paths, counts))
 
 
 def choose_structures(report: FisherReport,

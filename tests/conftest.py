@@ -26,3 +26,18 @@ if _JAXLIB < (0, 11):
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_given.strip()] + [f"{k}={v}" for k, v in _FLAGS.items() if k not in _given]).strip()
+
+
+def pytest_configure(config):
+  """``FISHER_OPTAX_TEST_AUTO_LAYOUT=stacked`` (or ``per-leaf``) runs the suite with the
+  named optimizers' default ``stack_matrices="auto"`` resolved to that layout whatever
+  the backend: the layout ``"auto"`` gives on GPUs and TPUs, checked on a CPU."""
+  del config
+  layout = os.environ.get("FISHER_OPTAX_TEST_AUTO_LAYOUT")
+  if not layout:
+    return
+  if layout not in ("stacked", "per-leaf"):
+    raise ValueError(f"FISHER_OPTAX_TEST_AUTO_LAYOUT must be 'stacked' or 'per-leaf', got {layout!r}")
+  from fisher_optax import stacking
+  resolve = stacking.resolve
+  stacking.resolve = lambda value: (layout == "stacked") if value == "auto" else resolve(value)

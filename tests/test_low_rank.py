@@ -29,12 +29,13 @@ def test_tracking_is_ema_of_projected_outer_products():
 
 def test_alice0_stores_no_rxr_state_and_alice_does():
   p = {"w": jnp.zeros((8, 12))}
-  s0 = fo.alice0(0.01, rank=4, leading=2).init(p)
-  s1 = fo.alice(0.01, rank=4, leading=2).init(p)
-  shapes0 = [x.shape for x in jax.tree.leaves(s0)]
-  shapes1 = [x.shape for x in jax.tree.leaves(s1)]
-  assert (4, 4) not in shapes0
-  assert (4, 4) in shapes1
+  for stack in (False, True):  # per-leaf (r, r); stacked (1, r, r)
+    s0 = fo.alice0(0.01, rank=4, leading=2, stack_matrices=stack).init(p)
+    s1 = fo.alice(0.01, rank=4, leading=2, stack_matrices=stack).init(p)
+    shapes0 = [x.shape[-2:] for x in jax.tree.leaves(s0)]
+    shapes1 = [x.shape[-2:] for x in jax.tree.leaves(s1)]
+    assert (4, 4) not in shapes0
+    assert (4, 4) in shapes1
 
 
 @pytest.mark.parametrize("shape,basis,coeff", [((6, 10), (6, 3), (3, 10)),

@@ -135,9 +135,12 @@ def test_failed_decomposition_keeps_previous_basis(monkeypatch):
   params = {"w": jnp.zeros((6, 10))}
   g = _grads("normal", jnp.float32, 0, {"w": (6, 10)})
   rotate_left = lambda s: optax.tree_utils.tree_get(s, "RotateState").left  # noqa: E731
-  for tx, field in [(fo.eigen_adam(0.01, interval=1), lambda s: rotate_left(s).basis),
-                    (fo.shampoo(0.01, interval=1), lambda s: rotate_left(s).eig),
-                    (fo.alice0(0.01, rank=3, leading=1, interval=1),
+  # per-leaf layout: the state read by leaf name
+  for tx, field in [(fo.eigen_adam(0.01, interval=1, stack_matrices=False),
+                     lambda s: rotate_left(s).basis),
+                    (fo.shampoo(0.01, interval=1, stack_matrices=False),
+                     lambda s: rotate_left(s).eig),
+                    (fo.alice0(0.01, rank=3, leading=1, interval=1, stack_matrices=False),
                      lambda s: optax.tree_utils.tree_get(s, "basis"))]:
     s = tx.init(params)
     _, s = tx.update(g, s, params)

@@ -164,7 +164,8 @@ def test_with_auto_axes_runs_a_chain_of_blocks_on_an_explicit_mesh():
 
 
 def test_state_specs_follow_parameter_axes():
-  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims())
+  # per-leaf layout (the stacked one has its own tests)
+  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(), stack_matrices=False)
   specs = fo.state_partition_specs(tx, _params(), SPECS, mesh=_mesh())
   get = lambda name: optax.tree_utils.tree_get(specs, name)
   assert get("basis")["w"] == P("fsdp")                    # U: m x r, split like rows
@@ -174,7 +175,8 @@ def test_state_specs_follow_parameter_axes():
   mu = optax.tree_utils.tree_get_all_with_path(specs, "mu")
   coeff = [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
   assert coeff["w"] == P(None, "tensor") and coeff["stack"] == P(None, None, "tensor")
-  racs = fo.state_partition_specs(fo.racs(0.01), _params(), SPECS, mesh=_mesh())
+  racs = fo.state_partition_specs(fo.racs(0.01, stack_matrices=False), _params(), SPECS,
+                                  mesh=_mesh())
   assert optax.tree_utils.tree_get(racs, "q")["sq"] == P("fsdp")
   assert optax.tree_utils.tree_get(racs, "s")["sq"] == P("tensor")
 
@@ -339,7 +341,8 @@ def test_state_specs_use_the_optimizers_own_dims():
   follow the unsplit merged axes."""
   params = {"conv": jax.ShapeDtypeStruct((3, 3, 4, 16), jnp.float32)}
   specs = {"conv": P(None, None, None, "tensor")}
-  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(rows=(0, 1, 2), cols=3))
+  tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(rows=(0, 1, 2), cols=3),
+                stack_matrices=False)
   got = fo.state_partition_specs(tx, params, specs, mesh=_mesh())
   mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(got, "mu")
         if "structured" in jax.tree_util.keystr(path)][0]
@@ -377,7 +380,7 @@ def test_state_layouts_follow_declared_roles_not_field_names():
                                       mesh=_mesh())
   assert declared.anything["w"] == P()
   # the library's own declarations, nested inside chains and on_coefficients
-  tx = fo.alice_soap(0.01, rank=4, leading=2)
+  tx = fo.alice_soap(0.01, rank=4, leading=2, stack_matrices=False)
   got = fo.state_partition_specs(tx, params, specs, mesh=_mesh())
   tracked = optax.tree_utils.tree_get_all_with_path(got, "tracked")
   assert len(tracked) == 2 and all(v["w"] == P() for _, v in tracked)

@@ -21,13 +21,23 @@ def _tx(name, **extra):
 
 @pytest.mark.parametrize("name", ALL)
 def test_tree_map_params_reaches_the_param_shaped_state(name):
-  tx = _tx(name)
+  tx = _tx(name, stack_matrices=False)
   state = tx.init(PARAMS)
   mapped = optax.tree.map_params(tx, lambda p: "P", state, transform_non_params=lambda _: "N")
   labels = jax.tree.leaves(mapped)
   assert set(labels) <= {"P", "N"} and len(labels) == len(jax.tree.leaves(state))
   # the fallback's two moments of the vector "b" are parameter trees
   assert labels.count("P") >= 2
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tree_map_params_on_the_stacked_layout_names_the_fix(name):
+  """The stacked layout's state is per stack, not per parameter: optax's map_params
+  cannot place it, and says which setting gives a parameter-shaped state."""
+  tx = _tx(name, stack_matrices=True)
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match="stack_matrices=False"):
+    optax.tree.map_params(tx, lambda p: "P", state, transform_non_params=lambda _: "N")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -49,7 +59,10 @@ def test_a_state_from_another_tree_is_a_value_error_naming_the_leaf(name):
   state = jax.eval_shape(tx.init, PARAMS)
   other_shape = dict(PARAMS, w=jnp.ones((6, 12)))
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  if any("['w']" in p for p in paths):
+  if any("['w 6x10']" in p for p in paths):  # stacked layout: the state is per stack
+    with pytest.raises(ValueError, match=r"the state has .*\['w 6x10'\] where"):
+      jax.eval_shape(tx.update, other_shape, state, other_shape)
+  elif any("['w']" in p for p in paths):
     with pytest.raises(ValueError, match=r"state leaf .*\['w'\] has shape"):
       jax.eval_shape(tx.update, other_shape, state, other_shape)
   else:  # a stateless rule (SWAN) on "w": any shape is its own

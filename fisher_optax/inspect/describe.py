@@ -106,7 +106,7 @@ def describe(tx: Any, params: Any) -> Description:
   counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat])
   for rec in found:
     if stacking.is_stacked(rec.routed):
-      _add_stacked_state(counts, rec, paths)
+      stacking.add_stacked_state(counts, rec, paths)
   notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
   rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other" if found
                else "fallback") for (_, x), key, n in zip(flat, paths, counts)]
@@ -155,12 +155,3 @@ def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: 
   return LeafRouting(key, shape, rule, view, r, numbers, 2 * int(math.prod(shape)))
 
 
-def _add_stacked_state(counts: list, rec: routing.RoutedInit, paths: list) -> None:
-  """Under ``stack_matrices=True``: each stack's state numbers go to its member leaves
-  (:func:`fisher_optax.stacking.state_numbers_by_member`)."""
-  stacks = stacking.stacks_of(rec.params, rec.labels, rec.routed.dims)
-  inner_paths = [routing.path_to_str(p)
-                 for p, _ in jax.tree_util.tree_flatten_with_path(rec.params)[0]]
-  outer = {p: i for i, p in enumerate(paths)}
-  for i, numbers in stacking.state_numbers_by_member(rec.state, stacks).items():
-    counts[outer[inner_paths[i]]] += numbers
