@@ -130,3 +130,34 @@ def test_cholesky_qr_batches_over_leading_axes():
   np.testing.assert_allclose(np.einsum("bmi,bmj->bij", q, q), np.broadcast_to(np.eye(5),
                                                                                 (3, 5, 5)),
                              atol=2e-6)
+
+
+@pytest.mark.parametrize("rank", [64, 16, 0])
+def test_power_orthonormal_is_the_positive_diagonal_qr_of_the_shifted_step(rank):
+  """SOAP's power step ``QR(L U)``: the unique thin QR (positive ``R`` diagonal) of
+  ``(L + delta I) U``, defined for a statistic of any rank (0: a zero statistic keeps
+  ``U``). The backend's implementation (Householder on CPU) equals Cholesky QR, the
+  accelerators', to float32 rounding."""
+  d = 64
+  rng = np.random.default_rng(rank)
+  g = rng.standard_normal((d, rank)).astype(np.float32)
+  stat = g @ g.T
+  u = np.linalg.qr(rng.standard_normal((d, d)))[0].astype(np.float32)
+  y = stat @ u
+  q = np.asarray(linalg.power_orthonormal(jnp.asarray(y), jnp.asarray(u)), np.float64)
+  np.testing.assert_allclose(q.T @ q, np.eye(d), atol=2e-5)
+  norm = np.linalg.norm(y)
+  x = y + 1e-6 * norm * u if norm > 0 else u
+  r = q.T @ x
+  np.testing.assert_allclose(np.tril(r, -1), 0.0, atol=1e-4 * max(np.abs(r).max(), 1.0))
+  assert np.all(np.diagonal(r) > 0)
+  chol = np.asarray(linalg.cholesky_qr(jnp.asarray(x, jnp.float32)), np.float64)
+  k = rank if rank < d else d
+  # the columns spanning the statistic's range agree; the others span its null space (set
+  # by rounding at condition number ~1e6, so compared as a subspace)
+  np.testing.assert_allclose(chol[:, :k], q[:, :k], atol=5e-4)
+  if 0 < rank < d:
+    np.testing.assert_allclose(g.T @ q[:, rank:], 0.0, atol=1e-3 * np.abs(g).max())
+    np.testing.assert_allclose(g.T @ chol[:, rank:], 0.0, atol=1e-3 * np.abs(g).max())
+  if rank == 0:
+    np.testing.assert_allclose(q, u, atol=1e-5)

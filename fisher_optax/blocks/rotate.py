@@ -27,7 +27,8 @@ Two schedules:
 
 Refresh methods: ``"eigh"`` (exact, descending) or ``"power_qr"`` (SOAP: sort the
 old basis by the estimated eigenvalues ``diag(U^T L U)``, one power iteration
-``QR(L U)``). The first refresh is always ``eigh``.
+``QR(L U)``, by products and Cholesky QR on accelerators). The first refresh is always
+``eigh``.
 
 Cost: an ordinary step is the statistics update (``G G^T``/``G^T G``) and the two
 rotations per side, all batched matmuls. Every refresh of the tree sits in one
@@ -114,12 +115,21 @@ def stats_update(stat: Optional[jax.Array], g: jax.Array, side: str,
   return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
 
 
-def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """SOAP's refresh: sort the old basis by ``diag(U^T L U)``, one power iteration, QR."""
-  est = jnp.diagonal(linalg.matmul(linalg.matmul(basis.T, stat), basis))
+def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """SOAP's refresh: sort the old basis by ``diag(U^T L U)``, one power iteration
+  ``QR(L U)`` (:func:`fisher_optax.linalg.power_orthonormal`: the positive-diagonal QR of
+  ``(L + delta I) U``, batched on accelerators). Returns the new basis, the sort order and
+  ``L`` times the new basis.
+
+  Products: ``L U`` once serves the estimates (``diag(U^T L U)`` is the column sums of
+  ``U * (L U)``) and the iteration (``L U[:, idx] = (L U)[:, idx]``); the caller reads the
+  new eigenvalue estimates ``diag(Q^T L Q)`` from ``L Q`` the same way: two ``d^3``
+  products where four were."""
+  lu = linalg.matmul(stat, basis)
+  est = jnp.sum(basis * lu, axis=0)
   idx = jnp.argsort(-est)
-  q = linalg.orthonormalize(linalg.matmul(stat, basis[:, idx]))
-  return q, idx
+  q = linalg.power_orthonormal(lu[:, idx], basis[:, idx])
+  return q, idx, linalg.matmul(stat, q)
 
 
 def side_refresh(stat: jax.Array, basis: jax.Array, use_eigh: bool) -> SideRefresh:
@@ -130,8 +140,8 @@ def side_refresh(stat: jax.Array, basis: jax.Array, use_eigh: bool) -> SideRefre
     w, new = linalg.eigh_desc(stat)
     idx = jnp.arange(d)
   else:
-    new, idx = power_qr(stat, basis)
-    w = jnp.diagonal(linalg.matmul(linalg.matmul(new.T, stat), new))
+    new, idx, lq = power_qr(stat, basis)
+    w = jnp.sum(new * lq, axis=0)
   ok = jnp.all(jnp.isfinite(new))
   new = jnp.where(ok, new, basis)
   idx = jnp.where(ok, idx, jnp.arange(d))

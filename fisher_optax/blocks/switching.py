@@ -75,9 +75,11 @@ def shifted_orthonormal(y: jax.Array, u: jax.Array) -> jax.Array:
   null-space columns taken from ``U``. ``Q + delta I`` has ``Q``'s eigenvectors, so
   the iteration's fixed points are unchanged; only directions whose eigenvalue is
   below ``delta`` (at most ``1e-6 sqrt(r)`` of the largest) converge more slowly.
+  Cholesky QR on every backend: for these tall ``m x r`` operands it is also the faster
+  on CPU (Alice's 60M refresh step went from 31x to 9.7x ``optax.adam``'s update on 2
+  cores when it replaced Householder QR).
   """
-  norm = jnp.sqrt(jnp.sum(jnp.square(y)))
-  return linalg.cholesky_qr(jnp.where(norm > 0, y + 1e-6 * norm * u, u))
+  return linalg.cholesky_qr(linalg.shifted_step(y, u))
 
 
 @dataclasses.dataclass(frozen=True)
