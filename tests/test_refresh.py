@@ -161,3 +161,19 @@ def test_power_orthonormal_is_the_positive_diagonal_qr_of_the_shifted_step(rank)
     np.testing.assert_allclose(g.T @ chol[:, rank:], 0.0, atol=1e-3 * np.abs(g).max())
   if rank == 0:
     np.testing.assert_allclose(q, u, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,iters,least", [("slow", 2, 0.96), ("slow", 4, 0.99),
+                                              ("near_flat", 2, 0.88), ("near_flat", 4, 0.90)])
+def test_where_it_captures_less_than_the_exact_energy(kind, iters, least):
+  """The documented weaker cases (docs: "Numerics"), warm-started from a random basis:
+  singular values ``i^-1/2`` (slow decay through ``r``) and a nearly flat spectrum
+  (1 up to ``r + r/8``, then 0.9: a small gap at ``r``)."""
+  i = np.arange(1, M + 1, dtype=np.float64)
+  s = i ** -0.5 if kind == "slow" else np.where(i <= R + R // 8, 1.0, 0.9)
+  rng = np.random.default_rng(0)
+  u = np.linalg.qr(rng.standard_normal((M, M)))[0]
+  v = np.linalg.qr(rng.standard_normal((N, M)))[0]
+  g = ((u * s) @ v.T).astype(np.float32)
+  got = energy(refresh(fo.subspace_refresh(iters=iters), g, starts()["random"]), g)
+  assert got >= least * float(np.sum(s[:R] ** 2))
