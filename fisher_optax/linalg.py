@@ -137,18 +137,18 @@ def cholesky_qr(h: jax.Array) -> jax.Array:
   top = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
   x = x / jnp.where(top > 0, top, 1.0)
 
-  def step(q, shift):
+  eps = float(jnp.finfo(f32).eps)
+
+  def step(i, q):  # passes 0 and 1 shifted, 2 and 3 plain
     gram = matmul(jnp.swapaxes(q, -1, -2), q)
-    if shift:
-      s = (m + k) * float(jnp.finfo(f32).eps) * jnp.trace(
-          gram, axis1=-2, axis2=-1)[..., None, None]
-      gram = gram + s * jnp.eye(k, dtype=f32)
-    lower = jnp.linalg.cholesky(gram)
+    s = jnp.where(i < 2, (m + k) * eps, 0.0) * jnp.trace(gram, axis1=-2, axis2=-1)
+    lower = jnp.linalg.cholesky(gram + s[..., None, None] * jnp.eye(k, dtype=f32))
     # Q = X L^{-T}, i.e. Q^T = L^{-1} X^T
     return jnp.swapaxes(jax.scipy.linalg.solve_triangular(
         lower, jnp.swapaxes(q, -1, -2), lower=True), -1, -2)
 
-  return step(step(step(step(x, True), True), False), False)
+  # one compiled loop of four passes rather than four unrolled copies (compile time)
+  return jax.lax.fori_loop(0, 4, step, x)
 
 
 def shifted_step(y: jax.Array, u: jax.Array) -> jax.Array:

@@ -53,12 +53,10 @@ def subspace_iteration(C, U, r, iters, seed):
   (Golub and Van Loan, Sec. 8.2.4): ``iters`` steps ``U <- QR((C + delta I) U)``,
   ``delta = 1e-6 ||C U||_F``, then ``U <- U V`` with ``V`` the eigenvectors of
   ``U^T C U`` (descending, canonical signs). ``U=None`` (the first refresh): ``2 iters``
-  steps from the orthonormalized Gaussian ``m x r`` matrix of ``jax.random.PRNGKey(seed)``
-  (the library's fixed start)."""
-  import jax  # the start matrix is JAX's draw; everything else is float64 numpy
+  steps from the orthonormalized Gaussian ``m x r`` matrix of
+  ``numpy.random.default_rng(seed)`` (the library's fixed start)."""
   if U is None:
-    U = np.linalg.qr(np.asarray(jax.random.normal(jax.random.PRNGKey(seed),
-                                                  (C.shape[0], r)), np.float64))[0]
+    U = np.linalg.qr(np.random.default_rng(seed).standard_normal((C.shape[0], r)))[0]
     iters = 2 * iters
   for _ in range(iters):
     Y = C @ U

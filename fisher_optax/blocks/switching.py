@@ -42,6 +42,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fisher_optax import grouping, linalg, rng, validation
 
@@ -159,10 +160,12 @@ class Switch:
 
   def refresh_from(self, c: jax.Array, u_old: jax.Array, q_old: Optional[jax.Array],
                    b3, noise: Optional[jax.Array], *, signs: bool = True,
-                   iters: Optional[int] = None) -> jax.Array:
+                   iters=None, start: Optional[jax.Array] = None) -> jax.Array:
     """``refresh`` from ``operand`` (``C = G G^T``, or a tall ``G``) and the random
     words ``noise`` (at least ``m - r`` uint32, ``refresh_noise``). ``signs=False``
-    leaves the final canonical sign fix to the caller."""
+    leaves the final canonical sign fix to the caller. ``iters`` (default ``self.iters``)
+    may be a traced integer (then the steps run as one compiled loop); ``start`` is the
+    iteration's first basis (default ``u_old``)."""
     m, r = u_old.shape
     gram = c.shape[-1] == m  # else c is a tall G: C u = G (G^T u)
     fix = linalg.canonical_signs if signs else (lambda x: x)
@@ -174,9 +177,13 @@ class Switch:
         out = out + b3 * linalg.matmul(u_old, linalg.matmul(q_old, linalg.matmul(u_old.T, u)))
       return out
 
-    u1 = u_old
-    for _ in range(self.iters if iters is None else iters):
-      u1 = shifted_orthonormal(q_times(u1), u1)
+    u1 = u_old if start is None else start
+    n = self.iters if iters is None else iters
+    if isinstance(n, int):
+      for _ in range(n):
+        u1 = shifted_orthonormal(q_times(u1), u1)
+    else:
+      u1 = jax.lax.fori_loop(0, n, lambda _, u: shifted_orthonormal(q_times(u), u), u1)
     # the Rayleigh quotient U^T Q U is symmetric by construction; every result is re-signed
     _, v = linalg.eigh_desc(linalg.matmul(u1.T, q_times(u1)), signs=False, symmetrize=False)
     ritz = linalg.matmul(u1, v)
@@ -215,12 +222,30 @@ class SubspaceRefresh(Switch):
     top = jnp.max(jnp.abs(g), axis=(-2, -1), keepdims=True)
     return super().operand(g / jnp.where(top > 0, top, 1.0))
 
+  def start(self, m: int, r: int) -> jax.Array:
+    """The first refresh's start: a fixed orthonormal ``m x r`` basis, the Q factor of a
+    Gaussian matrix drawn by ``numpy.random.default_rng(seed)`` when the update is traced
+    (a constant of the compiled program: no PRNG state, and no random-number kernels
+    to compile)."""
+    gauss = np.random.default_rng(self.seed).standard_normal((m, r))
+    return jnp.asarray(np.linalg.qr(gauss)[0], jnp.float32)
+
   def first_from(self, c: jax.Array, r: int, *, signs: bool = True) -> jax.Array:
-    """Step-1 basis: ``2 * iters`` subspace-iteration steps from a fixed orthonormal
-    start (Gaussian, drawn from ``PRNGKey(seed)``; no state), then Rayleigh-Ritz."""
-    start = linalg.cholesky_qr(jax.random.normal(jax.random.PRNGKey(self.seed),
-                                                 (c.shape[0], r), jnp.float32))
-    return self.refresh_from(c, start, None, 0.0, None, signs=signs, iters=2 * self.iters)
+    """Step-1 basis: ``2 * iters`` subspace-iteration steps from :meth:`start`, then
+    Rayleigh-Ritz."""
+    return self.refresh_from(c, self.start(c.shape[0], r), None, 0.0, None, signs=signs,
+                             iters=2 * self.iters)
+
+  def basis_from(self, c, u_old, q_old, b3, noise, first):
+    """Every refresh is one loop of subspace-iteration steps and a Rayleigh-Ritz step:
+    ``2 * iters`` steps from :meth:`start` at the first refresh, ``iters`` from the
+    previous basis after it. One compiled loop serves both (the step count is data), so
+    the refresh compiles once rather than once per branch and per unrolled step."""
+    del q_old, b3, noise
+    m, r = u_old.shape
+    start = jnp.where(first, self.start(m, r), u_old)
+    n = jnp.where(first, 2 * self.iters, self.iters)
+    return self.refresh_from(c, u_old, None, 0.0, None, iters=n, start=start)
 
 
 @dataclasses.dataclass(frozen=True)
