@@ -303,7 +303,7 @@ def subspace_refresh(*, iters: int = 2, seed: int = 0) -> SubspaceRefresh:
   matrix products and ``r x r`` factorizations, no SVD.
 
   At a refresh, with ``C = G G^T`` and the previous basis ``U``: ``iters`` steps
-  ``U <- QR((C + delta I) U)`` (Cholesky QR, :func:`shifted_orthonormal`), then
+  ``U <- QR((C + delta I) U)`` (Cholesky QR of the shifted step), then
   Rayleigh-Ritz ``U <- U V`` with ``V`` the eigenvectors of ``U^T C U`` (descending,
   ``r x r``), canonical signs: warm-started subspace iteration (Golub and Van Loan,
   Matrix Computations, Sec. 8.2.4; the paper's App. Alg. "Subspace iteration" without
