@@ -275,3 +275,11 @@ def test_vision_example_short_run():
   for name, r in results.items():
     assert r["test_mean"] > 0.5, (name, r)
     assert r["step_ms"] > 0 and r["lr"] == 1e-2
+
+
+def test_describe_labels_leaves_of_a_plain_optax_optimizer_other():
+  """No fisher_optax named optimizer inside ``tx``: every leaf's rule is ``"other"``, as
+  the docstring says, and the note says the rules are unknown."""
+  desc = fo.describe(optax.adam(1e-3), {"w": jnp.ones((4, 8)), "b": jnp.ones((8,))})
+  assert [r.rule for r in desc.rows] == ["other", "other"]
+  assert "rules unknown" in desc.note

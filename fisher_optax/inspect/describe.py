@@ -108,9 +108,9 @@ def describe(tx: Any, params: Any) -> Description:
     if stacking.is_stacked(rec.routed):
       stacking.add_stacked_state(counts, rec, paths)
   notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
-  rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other" if found
-               else "fallback") for (_, x), key, n in zip(flat, paths, counts)]
-  if any(row.rule == "other" for row in rows):
+  rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other")
+          for (_, x), key, n in zip(flat, paths, counts)]
+  if found and any(row.rule == "other" for row in rows):
     notes.append("other: leaves that no fisher_optax named optimizer inside tx receives")
   if any(row.above_adam for row in rows):
     notes.append("! state above Adam's for this leaf: a small matrix under a rank clipped "
