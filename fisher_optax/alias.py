@@ -26,6 +26,7 @@ from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter
                                  scale_by_moments, scale_by_two_sided, subspace_refresh,
                                  svd_refresh, switch)
 from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
+from fisher_optax.blocks.switching import SubspaceRefresh, SvdRefresh
 from fisher_optax.blocks.whiten import MUON_COEFFS
 
 
@@ -435,7 +436,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
 def _galore_head(rank, interval, b1, b2, eps, dims, state_dtype, refresh):
   refresh = subspace_refresh() if refresh is None else refresh
-  if not isinstance(refresh, (type(subspace_refresh()), type(svd_refresh()))):
+  if not isinstance(refresh, (SubspaceRefresh, SvdRefresh)):
     raise TypeError("`refresh` must be fo.subspace_refresh(...) or fo.svd_refresh(), got "
                     f"{refresh!r}")
   track = low_rank_track(rank=rank, interval=interval, refresh=refresh, dims=dims,

@@ -177,3 +177,9 @@ def test_where_it_captures_less_than_the_exact_energy(kind, iters, least):
   g = ((u * s) @ v.T).astype(np.float32)
   got = energy(refresh(fo.subspace_refresh(iters=iters), g, starts()["random"]), g)
   assert got >= least * float(np.sum(s[:R] ** 2))
+
+
+def test_galore_refresh_must_be_a_galore_policy():
+  with pytest.raises(TypeError, match="subspace_refresh"):
+    fo.galore(1e-2, rank=2, refresh=fo.switch(leading=1))
+  fo.fira(1e-2, rank=2, refresh=fo.svd_refresh())  # the release's SVD is accepted
