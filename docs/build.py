@@ -2,6 +2,7 @@
 (docstring examples and pages), warnings as errors: ``python docs/build.py``."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,25 @@ def sphinx(builder: str) -> None:
   subprocess.run(cmd, check=True)
 
 
+# a script, stylesheet, font or image fetched from another host: the site must work offline
+_REMOTE = re.compile(r"""<(script|link|img|iframe)\b[^>]*\b(src|href)=["'](https?:)?//""", re.I)
+
+
+def check_offline(html_dir: pathlib.Path) -> None:
+  """Raises ``SystemExit`` naming every page that loads a resource from the network
+  (links the reader follows are fine; ``<script src>``, ``<link href>`` and the like
+  are not)."""
+  bad = []
+  for page in sorted(html_dir.rglob("*.html")):
+    for m in _REMOTE.finditer(page.read_text(errors="replace")):
+      bad.append(f"{page.relative_to(html_dir)}: {m.group(0)[:120]}")
+  if bad:
+    raise SystemExit("pages load resources from the network:\n  " + "\n  ".join(bad[:20]))
+  print(f"offline: no page of {html_dir} loads a resource from the network")
+
+
 if __name__ == "__main__":
   sphinx("html")
+  check_offline(DOCS / "_build" / "html")
   sphinx("doctest")
   print(f"site: {DOCS / '_build' / 'html' / 'index.html'}")

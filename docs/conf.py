@@ -24,6 +24,8 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    # MathJax from the package instead of a CDN, so that the maths renders offline
+    "sphinx-mathjax-offline",
     "myst_nb",
 ]
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -94,3 +96,30 @@ def _section(text):
 
 
 _check_public_api_is_documented()
+
+
+# Signatures: optax's type aliases by name. Sphinx expands ``optax.ScalarOrSchedule``
+# into the union it stands for (``float | Array | Callable[[Array | ndarray | ...``);
+# the recorded annotations are rewritten before they become the parameter lists.
+def _alias_names():
+  import optax
+  from sphinx.util.typing import stringify_annotation
+  return {stringify_annotation(getattr(optax, n), mode): f"optax.{n}"
+          for n in ("ScalarOrSchedule", "Schedule") for mode in ("fully-qualified", "smart")}
+
+
+_ALIASES = _alias_names()
+
+
+def _name_type_aliases(app, domain, objtype, contentnode):
+  del domain, objtype, contentnode
+  for annotations in app.env.current_document.autodoc_annotations.values():
+    for key, text in annotations.items():
+      for long, short in _ALIASES.items():
+        text = text.replace(long, short)
+      annotations[key] = text
+
+
+def setup(app):
+  # before autodoc's own handler (priority 500) merges the annotations into the page
+  app.connect("object-description-transform", _name_type_aliases, priority=400)

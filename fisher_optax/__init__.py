@@ -20,10 +20,11 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  scale_by_momentum, scale_by_shape, scale_by_subspace_ratio,
                                  scale_by_two_sided, subspace_refresh, svd_refresh, switch,
                                  whiten)
-from fisher_optax.flax_dims import FlaxDims, flax_dims
+from fisher_optax.equinox_dims import EquinoxDims, equinox_dims
+from fisher_optax.flax_dims import FlaxDims, flax_dims, linen_dims
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims
+from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims, ModelDims, Unclassified
 from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
 from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
@@ -44,8 +45,8 @@ __all__ = [
     "RandomProjectState", "RotateSideState", "RotateState", "ScaleByBiasCorrectionState",
     "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
-    "DimsRule", "FlaxDims", "MatrixDims", "NOT_A_MATRIX", "PathMask", "default_mask",
-    "flax_dims", "in_float32", "path_mask", "Description", "describe",
+    "DimsRule", "EquinoxDims", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
+    "PathMask", "Unclassified", "default_mask", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
     "paper_state_numbers", "state_bytes", "state_numbers", "state_partition_specs",
     "state_shardings", "with_auto_axes",
 ]

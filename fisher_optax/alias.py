@@ -9,12 +9,13 @@ to the others. Defaults are the paper's 130M
 settings (App. "Experiment details").
 """
 
-from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Callable, Optional, Union
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -860,3 +861,41 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
 
 swan.static_args = ("steps",)
 muon.static_args = ("steps",)
+apollo_mini.static_args = ()
+
+
+# ------------------------------------------------------------- static arguments
+
+# Arguments that fix array shapes. optax.inject_hyperparams turns every numeric argument
+# it is not told is static into a jax array; for these that cannot work, and without a
+# check the failure surfaces deep inside JAX as a ConcretizationTypeError.
+_SHAPE_ARGS = ("rank", "right_rank", "max_precond_dim")
+
+
+def _check_static(fn: Callable) -> Callable:
+  """``fn`` raising a ``ValueError`` that names the fix when a shape-fixing argument
+  arrives as a jax array (``optax.inject_hyperparams`` without ``static_args``)."""
+  sig = inspect.signature(fn)
+  names = [n for n in _SHAPE_ARGS if n in sig.parameters]
+
+  @functools.wraps(fn)
+  def named_optimizer(*args, **kwargs):
+    given = sig.bind_partial(*args, **kwargs).arguments
+    arrays = [n for n in names if isinstance(given.get(n), jax.Array)]
+    if arrays:
+      name = fn.__name__
+      raise ValueError(
+          f"fo.{name}: {', '.join(f'`{n}`' for n in arrays)} arrived as a jax array, but "
+          "fixes array shapes and must be a Python int. optax.inject_hyperparams turns "
+          "every numeric argument not in its static_args into an array: use "
+          f"optax.inject_hyperparams(fo.{name}, static_args={tuple(fn.static_args)!r}) or "
+          f"fo.inject_hyperparams(fo.{name}), which marks them static.")
+    return fn(*args, **kwargs)
+
+  named_optimizer.static_args = fn.static_args
+  return named_optimizer
+
+
+alice, alice0, alice_soap = map(_check_static, (alice, alice0, alice_soap))
+galore, fira, apollo = map(_check_static, (galore, fira, apollo))
+eigen_adam, soap, shampoo = map(_check_static, (eigen_adam, soap, shampoo))

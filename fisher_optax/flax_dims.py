@@ -1,150 +1,285 @@
-"""Matrix views of a Flax NNX model's parameters, read from its modules.
+"""Matrix views of a Flax model's parameters, read from its modules: NNX
+(:func:`flax_dims`) and Linen (:func:`linen_dims`).
 
-``fo.flax_dims(model)`` returns a rule that maps a tree shaped like
-``nnx.state(model, nnx.Param)`` to how each parameter is a matrix
-(:class:`~fisher_optax.MatrixDims`) or that it is none
-(:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to their fallback).
-Pass it as ``dims=`` to any named optimizer::
+Both return a rule (:class:`FlaxDims`) that maps a tree of the model's parameters to how
+each parameter is a matrix (:class:`~fisher_optax.MatrixDims`), that it is none
+(:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to their fallback), or
+that the rule could not tell (:class:`~fisher_optax.matrices.Unclassified`: also the
+fallback, but :func:`fisher_optax.describe` flags it and says why). Pass it as ``dims=``
+to any named optimizer::
 
-    tx = fo.alice(1e-2, dims=fo.flax_dims(model))
+    tx = fo.alice(1e-2, dims=fo.flax_dims(model))                 # NNX
+    tx = fo.alice(1e-2, dims=fo.linen_dims(module, x))            # Linen
 
 The rule table (the module that owns a parameter decides; axes beyond what the module
-declares are leading *layer* axes from ``nnx.vmap``/``nnx.scan``, batch axes of
-independent matrices):
+declares are leading *layer* axes from ``nnx.vmap``/``nnx.scan``/``nn.scan``/``nn.vmap``,
+batch axes of independent matrices). Rows are the fan-in (contracted) side, columns the
+fan-out side:
 
-=====================================  ===========================  =======================
-parameter                              matrix (rows x cols)         as in
-=====================================  ===========================  =======================
-``nnx.Linear`` kernel ``(in, out)``    ``in x out``                 every Shampoo/Muon
-``nnx.LinearGeneral`` kernel           in-feature axes x out-feature ``optax.contrib.muon``
-(attention ``(in, heads, head_dim)``,  axes, merged: ``in x heads*head_dim``,  dimension numbers
-output ``(heads, head_dim, out)``)     ``heads*head_dim x out``
-``nnx.Conv`` kernel                    ``kh*kw*cin x cout``          Muon / Shampoo for conv
-``(kh, kw, cin, cout)``                                             (reshape to 2-D)
-``nnx.Embed`` embedding                ``vocab x features``         (route with ``mask``)
-biases, norm scales, any other         ``NOT_A_MATRIX``             fallback
-parameter of a known module
-a parameter of another module          the default rule (last two axes if it is not a
-                                       vector's name and has ndim 2; otherwise
-                                       ``NOT_A_MATRIX``: the rule cannot tell)
-=====================================  ===========================  =======================
+===========================================  ==================================  ==========
+parameter                                    matrix (rows x cols)                as in
+===========================================  ==================================  ==========
+``Linear``/``Dense`` kernel ``(in, out)``    ``in x out``                        Muon
+``LinearGeneral``/``DenseGeneral`` kernel    in-feature axes x out-feature axes, optax's
+(attention ``(in, heads, head_dim)``,        merged: ``in x heads*head_dim``,    Muon
+output ``(heads, head_dim, out)``)           ``heads*head_dim x out``            dimension
+                                                                                 numbers
+``Einsum`` kernel (any module with an        from the spec: contracted axes x    Gemma
+``einsum_str``), e.g. ``"BTD,NDH->BTNH"``    output axes (:func:`~fisher_optax.
+                                             matrices.einsum_dims`)
+``Conv``/``ConvTranspose`` kernel            ``kh*kw*cin x cout``                Shampoo
+``(kh, kw, cin, cout)``                                                          for conv
+``Embed`` embedding                          ``vocab x features``                (route
+                                                                                 with
+                                                                                 ``mask``)
+biases, norm scales, any other parameter     ``NOT_A_MATRIX``                    fallback
+of a known module
+a 2-D parameter of another module            its two axes, ``(in, out)``
+a parameter of another module with more      ``Unclassified``: fallback, flagged
+than two dims                                by ``describe``; route it with
+                                             ``overrides=``
+===========================================  ==================================  ==========
 
-:func:`fisher_optax.describe` prints the result leaf by leaf.
+``overrides={path regex: MatrixDims or NOT_A_MATRIX}`` sets any parameter's entry by
+hand (first matching pattern wins). :func:`fisher_optax.describe` prints the result leaf
+by leaf, each matrix as fan-in x fan-out.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
 from fisher_optax import matrices, routing
 
 
-def _module_dims(module, name: str, ndim: int):
-  """MatrixDims of parameter ``name`` (``ndim`` dims) of ``module``, or ``None`` if the
-  module type is unknown."""
-  nnx = _import_nnx()
-  if isinstance(module, nnx.Linear):
-    if name != "kernel":
-      return matrices.NOT_A_MATRIX
-    k = ndim - 2
-    return matrices.MatrixDims(rows=k, cols=k + 1) if k >= 0 else matrices.NOT_A_MATRIX
-  if isinstance(module, nnx.LinearGeneral):
-    if name != "kernel":
-      return matrices.NOT_A_MATRIX
-    n_in = len(module.in_features) if isinstance(module.in_features, tuple) else 1
-    n_out = len(module.out_features) if isinstance(module.out_features, tuple) else 1
-    # kernel layout: batch_dims + in_features + out_features (flax LinearGeneral)
-    n_batch_decl = len(getattr(module, "batch_axis", {}) or {})
-    k = ndim - (n_batch_decl + n_in + n_out)
-    if k < 0:
-      return matrices.NOT_A_MATRIX
-    first = k + n_batch_decl
-    return matrices.MatrixDims(rows=tuple(range(first, first + n_in)),
-                              cols=tuple(range(first + n_in, first + n_in + n_out)))
-  if isinstance(module, nnx.Conv):
-    if name != "kernel":
-      return matrices.NOT_A_MATRIX
-    spatial = len(module.kernel_size) if isinstance(module.kernel_size, (tuple, list)) else 1
-    k = ndim - (spatial + 2)
-    if k < 0:
-      return matrices.NOT_A_MATRIX
-    return matrices.MatrixDims(rows=tuple(range(k, k + spatial + 1)), cols=k + spatial + 1)
-  if isinstance(module, nnx.Embed):
-    if name != "embedding":
-      return matrices.NOT_A_MATRIX
-    k = ndim - 2
-    return matrices.MatrixDims(rows=k, cols=k + 1) if k >= 0 else matrices.NOT_A_MATRIX
-  norms = tuple(getattr(nnx, n) for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
-                if hasattr(nnx, n))
+class FlaxDims(matrices.ModelDims):
+  """The ``dims=`` rule of one Flax model (built by :func:`flax_dims` for NNX and
+  :func:`linen_dims` for Linen).
+
+  Attributes:
+    table: ``{"/"-joined parameter path: MatrixDims, NOT_A_MATRIX or Unclassified}``.
+  """
+
+  helper = "fo.flax_dims"
+
+
+def _kernel_only(name: str, want: str, dims) -> Any:
+  return dims if name == want else matrices.NOT_A_MATRIX
+
+
+def _last_two(ndim: int):
+  k = ndim - 2
+  return matrices.MatrixDims(rows=k, cols=k + 1) if k >= 0 else matrices.NOT_A_MATRIX
+
+
+def _general(ndim: int, n_batch: int, n_in: int, n_out: int):
+  """Kernel ``layers + batch + in + out`` (Flax's LinearGeneral/DenseGeneral layout)."""
+  k = ndim - (n_batch + n_in + n_out)
+  if k < 0:
+    return matrices.NOT_A_MATRIX
+  first = k + n_batch
+  return matrices.MatrixDims(rows=tuple(range(first, first + n_in)),
+                             cols=tuple(range(first + n_in, first + n_in + n_out)))
+
+
+def _conv(ndim: int, kernel_size):
+  spatial = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else 1
+  k = ndim - (spatial + 2)
+  if k < 0:
+    return matrices.NOT_A_MATRIX
+  return matrices.MatrixDims(rows=tuple(range(k, k + spatial + 1)), cols=k + spatial + 1)
+
+
+def _einsum(spec: str, ndim: int):
+  """The spec's view of a weight of ``ndim`` dims, shifted past the leading layer axes
+  that ``nn.scan``/``nnx.vmap`` add in front of the spec's own."""
+  operands = spec.replace(" ", "").split("->")[0].split(",")
+  declared = len(operands[1]) if len(operands) == 2 else ndim
+  k = ndim - declared
+  d = matrices.einsum_dims(spec, ndim if k < 0 else declared)
+  if isinstance(d, matrices.NotAMatrix) or k <= 0:
+    return d
+  shift = lambda axes: tuple(a + k for a in matrices._as_axes(axes))  # noqa: E731
+  return matrices.MatrixDims(rows=shift(d.rows), cols=shift(d.cols))
+
+
+def _len(x) -> int:
+  return len(x) if isinstance(x, (tuple, list)) else 1
+
+
+def _general_counts(module) -> tuple:
+  """``(batch, in, out)`` axis counts of a LinearGeneral (NNX) or DenseGeneral (Linen)."""
+  if hasattr(module, "in_features"):  # nnx.LinearGeneral
+    return (len(getattr(module, "batch_axis", {}) or {}), _len(module.in_features),
+            _len(module.out_features))
+  return _len(module.batch_dims or ()), _len(module.axis), _len(module.features)
+
+
+def _layer_dims(lib, module, name: str, ndim: int):
+  """Dims of parameter ``name`` (``ndim`` dims) of ``module``, a layer of ``lib`` (NNX or
+  Linen: the same layers under two names), or ``None`` if the module type is unknown."""
+  linear = getattr(lib, "Linear", None) or lib.Dense
+  general = getattr(lib, "LinearGeneral", None) or lib.DenseGeneral
+  if isinstance(module, linear):
+    return _kernel_only(name, "kernel", _last_two(ndim))
+  if isinstance(module, general):
+    return _kernel_only(name, "kernel", _general(ndim, *_general_counts(module)))
+  if isinstance(module, lib.Einsum):
+    return _kernel_only(name, "kernel", _einsum(module.einsum_str, ndim))
+  if isinstance(module, (lib.Conv, lib.ConvTranspose)):
+    return _kernel_only(name, "kernel", _conv(ndim, module.kernel_size))
+  if isinstance(module, lib.Embed):
+    return _kernel_only(name, "embedding", _last_two(ndim))
+  norms = tuple(getattr(lib, n) for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
+                if hasattr(lib, n))
   if isinstance(module, norms):
     return matrices.NOT_A_MATRIX
   return None
 
 
-class FlaxDims(matrices.DimsRule):
-  """The ``dims=`` rule of one NNX model (built by :func:`flax_dims`).
-
-  Attributes:
-    table: ``{"/"-joined parameter path: MatrixDims or NOT_A_MATRIX}``.
-  """
-
-  def __init__(self, table: dict):
-    self.table = dict(table)
-
-  def resolve(self, tree: Any) -> Any:
-    """The dims of every leaf of ``tree``, a tree whose paths are the model's parameter
-    paths (``nnx.state(model, nnx.Param)``, its pure-dict form, or the masked trees
-    inside ``optax.partition``); raises a ``ValueError`` naming an unknown leaf."""
-    def one(path, _):
-      key = routing.path_to_str(path)
-      if key not in self.table:
-        raise ValueError(f"fo.flax_dims: leaf {key!r} is not a parameter of the model "
-                         f"(known: {sorted(self.table)[:5]}...)")
-      return self.table[key]
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-  def __repr__(self):
-    return f"FlaxDims({len(self.table)} parameters)"
+def _other_module(module, path, ndim: int):
+  """A parameter of a module no rule knows: an einsum spec it carries, else its two
+  axes when 2-D, else unclassified."""
+  spec = getattr(module, "einsum_str", None) if module is not None else None
+  if isinstance(spec, str) and ndim >= 2:
+    return _einsum(spec, ndim)
+  if routing.is_vector_name(path) or ndim < 2:
+    return matrices.NOT_A_MATRIX
+  if ndim == 2:
+    return matrices.MatrixDims()
+  owner = type(module).__name__ if module is not None else "no module"
+  return matrices.Unclassified(
+      f"{ndim}-D parameter of {owner}, a module the rule does not know; give its "
+      "dims with overrides={path regex: fo.MatrixDims(rows=..., cols=...)}")
 
 
-def _import_nnx():
+def _import_flax(part: str):
   try:
-    from flax import nnx
+    if part == "nnx":
+      from flax import nnx as mod
+    else:
+      from flax import linen as mod
   except ImportError as e:
-    raise ImportError("fo.flax_dims reads a Flax NNX model and needs flax: "
+    raise ImportError("fo.flax_dims and fo.linen_dims read Flax models and need flax: "
                       "pip install 'fisher-optax[flax]'") from e
-  return nnx
+  return mod
 
 
-def flax_dims(model: Any) -> FlaxDims:
+def _owner(owners: dict, key: str):
+  parts = key.split("/")
+  for c in range(len(parts) - 1, -1, -1):
+    m = owners.get("/".join(parts[:c]))
+    if m is not None:
+      return m
+  return None
+
+
+def _not_nnx(model: Any) -> Optional[str]:
+  """Why ``model`` is no NNX module (a message naming the right helper), or ``None``."""
+  try:
+    from flax import linen as nn
+  except ImportError:  # pragma: no cover - flax is checked by the caller
+    nn = None
+  if nn is not None and isinstance(model, nn.Module):
+    return ("fo.flax_dims reads a Flax NNX model; this is a Linen module: use "
+            "fo.linen_dims(module, *example_inputs), which traces module.init on them")
+  if isinstance(model, dict) or type(model).__name__ == "FrozenDict":
+    return ("fo.flax_dims reads a Flax NNX model, not a parameter dict: a dict cannot tell "
+            "a layer stack from an attention or conv kernel. For a Linen model use "
+            "fo.linen_dims(module, *example_inputs); for plain arrays give "
+            "fo.MatrixDims(...) per leaf (a tree of them)")
+  if type(model).__module__.startswith("equinox") or any(
+      c.__module__.startswith("equinox") for c in type(model).__mro__):
+    return "fo.flax_dims reads a Flax NNX model; for an Equinox model use fo.equinox_dims(model)"
+  return f"fo.flax_dims reads a Flax NNX model (an nnx.Module), got {type(model).__name__}"
+
+
+def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
   """The :class:`MatrixDims` (or :data:`NOT_A_MATRIX`) of every parameter of an NNX
   ``model``, as a ``dims=`` rule (:class:`FlaxDims`) that maps any tree whose paths are
   the model's parameter paths -- ``nnx.state(model, nnx.Param)``, its pure-dict form, or
   the masked trees inside ``optax.partition`` -- to the dims of its leaves.
 
+  ``nnx.Einsum`` kernels (and those of any module carrying an ``einsum_str``, as
+  Gemma's) are read from their spec (:func:`~fisher_optax.matrices.einsum_dims`). A
+  parameter the rule cannot classify goes to the fallback as
+  :class:`~fisher_optax.matrices.Unclassified`: :func:`~fisher_optax.describe` flags it
+  and the rule's ``unclassified`` lists it.
+
   The rule is not a Python callable, so it passes through
   ``optax.inject_hyperparams`` (which takes callables for schedules) unchanged.
 
+  Args:
+    model: an ``nnx.Module``.
+    overrides: ``{path regex: MatrixDims or NOT_A_MATRIX}``, applied over the module
+      rules (first matching pattern wins; a pattern matching no path is an error).
+
   Raises:
+    TypeError: ``model`` is a Linen module, a parameter dict or an Equinox model (the
+      message names the helper for it).
     ImportError: flax is not installed (the ``flax`` extra installs it).
   """
-  nnx = _import_nnx()
-  owners = {}
-  for path, module in nnx.iter_graph(model):
-    if isinstance(module, nnx.Module):
-      owners[routing.path_to_str(path)] = module
+  nnx = _import_flax("nnx")
+  if not isinstance(model, nnx.Module):
+    raise TypeError(_not_nnx(model))
+  owners = {routing.path_to_str(path): module for path, module in nnx.iter_graph(model)
+            if isinstance(module, nnx.Module)}
   table = {}
   for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
     key = routing.path_to_str(path)
-    parts = key.split("/")
-    module = next((owners[m] for m in ("/".join(parts[:c]) for c in range(len(parts) - 1, -1, -1))
-                   if m in owners), None)
+    module = _owner(owners, key)
     ndim = len(getattr(x, "shape", ()))
-    d = _module_dims(module, parts[-1], ndim) if module is not None else None
-    if d is None:
-      d = (matrices.MatrixDims() if ndim == 2 and not routing.is_vector_name(path)
-           else matrices.NOT_A_MATRIX)
-    table[key] = d
-  return FlaxDims(table)
+    d = _layer_dims(nnx, module, key.split("/")[-1], ndim) if module is not None else None
+    table[key] = d if d is not None else _other_module(module, path, ndim)
+  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.flax_dims"))
+
+
+def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = None,
+               method: Any = None, **example_kwargs: Any) -> FlaxDims:
+  """:func:`flax_dims` for a Flax Linen ``module``: the dims of every parameter, read
+  from the layers that own them.
+
+  The layers are found by tracing ``module.init`` on ``example_inputs`` with
+  ``jax.eval_shape`` (nothing is computed or allocated): Dense, DenseGeneral (any
+  ``axis``, ``features`` and ``batch_dims``), Einsum, Conv, ConvTranspose, Embed, the
+  DenseGenerals inside MultiHeadDotProductAttention, and layers stacked by
+  ``nn.scan``/``nn.vmap`` (their leading axes are batch axes). The rule resolves the
+  ``params`` collection (``variables["params"]``, a ``TrainState``'s ``params``) and the
+  whole variables dict alike.
+
+  Args:
+    module: an unbound ``flax.linen.Module``.
+    *example_inputs: arguments of its ``__call__`` (arrays or ``jax.ShapeDtypeStruct``).
+    overrides: as in :func:`flax_dims`.
+    method: the method to trace instead of ``__call__`` (as ``Module.init``'s).
+    **example_kwargs: keyword arguments of the call.
+
+  Raises:
+    TypeError: ``module`` is no Linen module.
+  """
+  nn = _import_flax("linen")
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"fo.linen_dims reads a Flax Linen module, got {type(module).__name__}"
+                    + ("; for an NNX model use fo.flax_dims(model)"
+                       if type(module).__module__.startswith("flax.nnx") else ""))
+  owners: dict = {}
+
+  def record(fn, args, kwargs, context):
+    owners.setdefault("/".join(context.module.path), context.module)
+    return fn(*args, **kwargs)
+
+  init = lambda: module.init(jax.random.key(0), *example_inputs, method=method,  # noqa: E731
+                             **example_kwargs)
+  with nn.intercept_methods(record):
+    variables = jax.eval_shape(init)
+  params = variables.get("params", {})
+  table = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = routing.path_to_str(path)
+    owner = _owner(owners, key)
+    ndim = len(x.shape)
+    d = _layer_dims(nn, owner, key.split("/")[-1], ndim) if owner is not None else None
+    table[key] = d if d is not None else _other_module(owner, path, ndim)
+  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims"))

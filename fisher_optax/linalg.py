@@ -208,6 +208,20 @@ def complement_columns(u: jax.Array, cols: jax.Array) -> jax.Array:
   return jax.lax.linalg.ormqr(h.mT, taus, units, left=False, transpose=True).T
 
 
+def ema(decay, old: jax.Array, new: jax.Array) -> jax.Array:
+  """``decay * old + (1 - decay) * new`` in the inputs' dtype, with ``decay`` rounded to
+  float32 (or the inputs' wider float) before ``1 - decay`` is formed.
+
+  A Python float and the float32 array that ``optax.inject_hyperparams`` passes for it
+  then give bit-identical statistics: in Python, ``1 - 0.95`` is formed in float64 and
+  rounded afterwards, one ulp away from float32's ``1 - float32(0.95)``, and an
+  eigendecomposition of a statistic with a degenerate spectrum turns one ulp into an
+  arbitrary rotation of its eigenvectors."""
+  dtype = jnp.result_type(old, new)
+  d = jnp.asarray(decay, jnp.promote_types(dtype, f32))
+  return (d * old + (1 - d) * new).astype(dtype)
+
+
 def safe_rsqrt(x: jax.Array) -> jax.Array:
   """``x ** -1/2`` where ``x > 0``, else 0: a zero scale gives a zero (finite) update."""
   pos = x > 0

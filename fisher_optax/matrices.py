@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import re
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -63,6 +64,24 @@ class NotAMatrix(MatrixDims):
 
 NOT_A_MATRIX = NotAMatrix()
 
+
+class Unclassified(NotAMatrix):
+  """A ``dims`` entry for a parameter whose matrix view a model rule could not tell
+  (e.g. a 3-D parameter of a module :func:`~fisher_optax.flax_dims` does not know).
+
+  It routes like :data:`NOT_A_MATRIX` (to the fallback), but
+  :func:`~fisher_optax.describe` flags the leaf and prints ``reason``, so that no
+  kernel goes to the fallback without a word. Give the leaf its dims with the rule's
+  ``overrides=`` to route it.
+  """
+
+  def __init__(self, reason: str):
+    super().__init__()
+    object.__setattr__(self, "reason", str(reason))
+
+  def __repr__(self):
+    return f"Unclassified({self.reason!r})"
+
 class DimsRule(abc.ABC):
   """A ``dims=`` rule computed from the parameter tree, such as
   :func:`fisher_optax.flax_dims`'s.
@@ -78,6 +97,124 @@ class DimsRule(abc.ABC):
 
 
 DimsSpec = Union[None, MatrixDims, DimsRule, Any, Callable[[Any], Any]]
+
+
+class ModelDims(DimsRule):
+  """A ``dims=`` rule read from a model: a table ``{"/"-joined parameter path: dims}``
+  (built by :func:`~fisher_optax.flax_dims`, :func:`~fisher_optax.linen_dims` or
+  :func:`~fisher_optax.equinox_dims`).
+
+  :meth:`resolve` maps any tree whose paths are the model's parameter paths -- the
+  parameter tree itself, its pure-dict form, a Linen ``{"params": ...}`` variables
+  dict, or the masked trees inside ``optax.partition`` -- to the dims of its leaves.
+
+  Attributes:
+    table: ``{path: MatrixDims, NOT_A_MATRIX or Unclassified}``.
+  """
+
+  helper = "the model rule"
+
+  def __init__(self, table: dict):
+    self.table = dict(table)
+
+  def lookup(self, key: str):
+    """The dims of the parameter at path ``key``, or a ``ValueError`` naming it."""
+    if key in self.table:
+      return self.table[key]
+    if key.startswith("params/") and key[len("params/"):] in self.table:
+      return self.table[key[len("params/"):]]  # a Linen variables dict
+    raise ValueError(f"{self.helper}: leaf {key!r} is not a parameter of the model it "
+                     f"was built from (its parameters look like {sorted(self.table)[:3]}); "
+                     "build the rule from the model whose parameters you optimize")
+
+  def resolve(self, tree: Any) -> Any:
+    """The dims of every leaf of ``tree`` (a ``ValueError`` names an unknown leaf)."""
+    from fisher_optax.routing import path_to_str  # routing imports this module
+    return jax.tree_util.tree_map_with_path(lambda p, _: self.lookup(path_to_str(p)), tree)
+
+  @property
+  def unclassified(self) -> dict:
+    """``{path: reason}`` of the parameters the rule could not classify."""
+    return {k: v.reason for k, v in self.table.items() if isinstance(v, Unclassified)}
+
+  def __repr__(self):
+    return f"{type(self).__name__}({len(self.table)} parameters)"
+
+
+def apply_overrides(table: dict, overrides: Optional[dict], helper: str) -> dict:
+  """``table`` with ``overrides`` (``{path regex: MatrixDims or NOT_A_MATRIX}``, the first
+  pattern that ``re.search``-es a path wins) applied; a pattern that matches no path
+  raises a ``ValueError``, since a typo would silently leave the rule unchanged."""
+  if not overrides:
+    return dict(table)
+  out = dict(table)
+  compiled = [(re.compile(p), d) for p, d in overrides.items()]
+  for pat, d in compiled:
+    if not isinstance(d, MatrixDims):
+      raise TypeError(f"{helper}: overrides[{pat.pattern!r}] must be a fo.MatrixDims or "
+                      f"fo.NOT_A_MATRIX, got {d!r}")
+    if not any(pat.search(k) for k in table):
+      raise ValueError(f"{helper}: overrides pattern {pat.pattern!r} matches no parameter "
+                       f"path (paths look like {sorted(table)[:3]})")
+  for k in table:
+    for pat, d in compiled:
+      if pat.search(k):
+        out[k] = d
+        break
+  return out
+
+
+def einsum_dims(spec: str, ndim: int, operand: int = 1) -> MatrixDims:
+  """The matrix view of the weight of a parametrized einsum (``nnx.Einsum``,
+  ``linen.Einsum``, Gemma's ``Einsum``): ``spec`` such as ``"BTD,NDH->BTNH"``, the
+  weight being operand ``operand`` (default the second) with ``ndim`` axes.
+
+  Each weight axis is read from where its letter appears:
+
+  * in the input and not the output: contracted, a **row** (fan-in) axis;
+  * in the output and not the input: a **column** (fan-out) axis -- unless it comes, in
+    the output, before every axis carried over from the input (Gemma's
+    ``"BSD,CKDH->CBSKH"``: ``C`` stacks the key and value projections), then a
+    **batch** axis: each index is an independent matrix;
+  * in the input and the output: a **batch** axis (one matrix per index).
+
+  Returns :data:`NOT_A_MATRIX` for a weight with no row or no column axis (a scale or a
+  vector), and :class:`Unclassified` with the reason for a spec it cannot read (an
+  ellipsis in the weight, a letter summed within the weight, a rank that does not match
+  ``ndim``).
+  """
+  s = spec.replace(" ", "")
+  bad = lambda why: Unclassified(f"einsum {spec!r}: {why}")  # noqa: E731
+  if "->" in s:
+    ins, out = s.split("->", 1)
+  else:  # implicit output: the letters that appear once, in alphabetical order
+    ins = s
+    letters = ins.replace(",", "").replace(".", "")
+    out = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+  operands = ins.split(",")
+  if len(operands) != 2 or operand not in (0, 1):
+    return bad("the weight must be one of two operands")
+  w, x = operands[operand], operands[1 - operand]
+  if "." in w:
+    return bad("an ellipsis in the weight's axes")
+  if len(w) != ndim or len(set(w)) != len(w):
+    return bad(f"the weight's axes {w!r} do not match its {ndim} dims")
+  # an ellipsis stands for axes carried over from the input
+  x, out = x.replace("...", "\0"), out.replace("...", "\0")
+  from_input = [i for i, c in enumerate(out) if c in x]
+  first_input = min(from_input) if from_input else len(out)
+  rows, cols = [], []
+  for a, c in enumerate(w):
+    if c in x and c not in out:
+      rows.append(a)
+    elif c in out and c not in x:
+      if out.index(c) > first_input:
+        cols.append(a)
+    elif c not in x and c not in out:
+      return bad(f"axis {c!r} of the weight is summed within the weight")
+  if not rows or not cols:
+    return NOT_A_MATRIX
+  return MatrixDims(rows=tuple(rows), cols=tuple(cols))
 
 def _as_axes(a: Axes) -> tuple[int, ...]:
   if isinstance(a, (int, np.integer)):
@@ -222,8 +359,40 @@ def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
     dims = dims(tree)
   # ``dims`` is a prefix of ``tree``: inside ``optax.partition`` the leaves routed elsewhere
   # are ``MaskedNode``s (no leaves), while ``dims`` may hold ``None`` for them.
+  is_dims = lambda x: x is None or isinstance(x, MatrixDims)  # noqa: E731
+  check_prefix(dims, tree, "`dims`", is_leaf=is_dims)
   return jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d or MatrixDims(), sub), dims, tree,
-                      is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
+                      is_leaf=is_dims)
+
+
+def check_prefix(given: Any, tree: Any, what: str, is_leaf: Optional[Callable] = None) -> None:
+  """Raises a ``ValueError`` naming the first leaf of ``tree`` that ``given`` (a tree
+  meant to be a prefix of it, e.g. a ``dims`` or ``mask`` tree) has no entry for, or the
+  first entry of ``given`` that ``tree`` lacks; passes when ``given`` fits."""
+  try:
+    jax.tree.map(lambda *_: None, given, tree, is_leaf=is_leaf)
+    return
+  except (ValueError, TypeError, KeyError):
+    pass
+  from fisher_optax.routing import path_to_str  # routing imports this module
+  entries = [path_to_str(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(given, is_leaf=is_leaf)[0]]
+  leaves = [path_to_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  under = lambda leaf, e: e == "" or leaf == e or leaf.startswith(e + "/")  # noqa: E731
+  missing = next((leaf for leaf in leaves if not any(under(leaf, e) for e in entries)), None)
+  extra = next((e for e in entries if not any(under(leaf, e) for leaf in leaves)), None)
+  if missing is not None:
+    raise ValueError(f"{what} does not match the params: it has no entry for the leaf "
+                     f"{missing!r}" + (f" (and has {extra!r}, which the params lack)"
+                                       if extra is not None else "")
+                     + "; give one entry per parameter leaf, or a single value for all")
+  if extra is not None:
+    raise ValueError(f"{what} does not match the params: its entry {extra!r} is no "
+                     "parameter leaf; give one entry per parameter leaf, or a single "
+                     "value for all")
+  raise ValueError(f"{what} does not have the structure of the params (its containers "
+                   "differ, e.g. a tuple for a list or a dict for a Flax State): build it "
+                   "with jax.tree.map over the params")
 
 
 def views_like(tree: Any, dims: DimsSpec, *, smaller_first: bool, what: str,

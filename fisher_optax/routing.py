@@ -22,7 +22,7 @@ import optax
 
 from fisher_optax.lifting import cast_like
 from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims, NotAMatrix,
-                                   is_matrix_shape, normalize_axes, resolve_dims)
+                                   check_prefix, is_matrix_shape, normalize_axes, resolve_dims)
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).
@@ -88,8 +88,10 @@ def _given_dims(dims: DimsSpec, params: Any) -> Any:
     dims = dims.resolve(params)
   elif callable(dims):
     dims = dims(params)
+  is_dims = lambda x: x is None or isinstance(x, MatrixDims)  # noqa: E731
+  check_prefix(dims, params, "`dims`", is_leaf=is_dims)
   return jax.tree.map(lambda d, sub: jax.tree.map(lambda _: d, sub), dims, params,
-                      is_leaf=lambda x: x is None or isinstance(x, MatrixDims))
+                      is_leaf=is_dims)
 
 
 def check_dims(params: Any, dims: DimsSpec) -> None:
@@ -192,7 +194,8 @@ def resolve_mask(mask: Any, params: Any, dims: DimsSpec = None) -> Any:
   if isinstance(mask, PathMask):
     return mask.resolve(params, dims)  # a path_mask without dims= uses the optimizer's
   if callable(mask):
-    return mask(params)
+    mask = mask(params)
+  check_prefix(mask, params, "`mask`")
   return mask
 
 

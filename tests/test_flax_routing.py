@@ -58,7 +58,7 @@ def test_describe_reports_merged_views_and_state_of_one_matrix(model):
   tx = fo.alice(1e-2, rank=4, leading=1, dims=fo.flax_dims(model))
   rows = {r.path: r for r in fo.describe(tx, params).rows}
   assert rows["mha/query/kernel"].view == f"{D} x {D}" and rows["mha/query/kernel"].rank == 4
-  assert rows["conv/kernel"].view == "8 x 27"
+  assert rows["conv/kernel"].view == "27 x 8"                  # fan-in x fan-out
   assert rows["blocks/lin/kernel"].view == f"{L} x 8 x {D}"
   assert rows["blocks/ln/scale"].rule == "fallback"
   # one 16 x 16 matrix: Alice's m r + r^2 + 2 n r + n + 1 (README table)
@@ -152,9 +152,9 @@ def test_scan_stacked_routing_leaf_by_leaf(scan_and_list_models):
   params = nnx.state(scan, nnx.Param)
   rows = {r.path: r for r in fo.describe(fo.racs(1e-2, dims=fo.flax_dims(scan)), params).rows}
   assert rows["blocks/up/kernel"].view == f"{L} x {D} x {2 * D}"
-  assert rows["blocks/down/kernel"].view == f"{L} x {D} x {2 * D}"  # tall: smaller side
+  assert rows["blocks/down/kernel"].view == f"{L} x {2 * D} x {D}"  # fan-in x fan-out
   assert rows["blocks/attn_norm/scale"].rule == "fallback"
-  assert rows["head/kernel"].view == f"10 x {D}"
+  assert rows["head/kernel"].view == f"{D} x 10"
 
 
 @pytest.mark.parametrize("name", registry.params(

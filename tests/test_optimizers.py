@@ -1,5 +1,7 @@
 """Named optimizers against dense float64 re-derivations, and their optax integration."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,12 +201,23 @@ def test_bf16_params_get_bf16_updates(name):
     assert np.isfinite(np.asarray(x, np.float32)).all()
 
 
-def test_plain_inject_hyperparams_names_the_static_argument():
-  opt = optax.inject_hyperparams(fo.galore)(learning_rate=LR, rank=2)
+@pytest.mark.parametrize("name,arg", [("galore", "rank"), ("alice", "rank"),
+                                      ("alice_soap", "right_rank"), ("apollo", "rank"),
+                                      ("soap", "max_precond_dim")])
+def test_plain_inject_hyperparams_names_the_static_arguments(name, arg):
+  """A shape-fixing argument injected as an array (``optax.inject_hyperparams`` without
+  ``static_args``) is a ValueError at ``init`` that lists the static arguments and
+  names ``fo.inject_hyperparams``, not JAX's ConcretizationTypeError from inside."""
+  fn = getattr(fo, name)
+  opt = optax.inject_hyperparams(fn)(learning_rate=LR, **{arg: 2})
+  with pytest.raises(ValueError, match=rf"`{arg}` arrived as a jax array.*"
+                     rf"static_args={re.escape(repr(tuple(fn.static_args)))}.*"
+                     rf"fo.inject_hyperparams\(fo.{name}\)"):
+    opt.init({"w": jnp.zeros((4, 6))})
+  # the named fix works
+  tx = optax.inject_hyperparams(fn, static_args=fn.static_args)(learning_rate=LR, **{arg: 2})
   params = {"w": jnp.zeros((4, 6))}
-  s = opt.init(params)
-  with pytest.raises(ValueError, match="`rank` determines array shapes"):
-    jax.jit(opt.update)({"w": jnp.ones((4, 6))}, s, params)
+  jax.jit(tx.update)({"w": jnp.ones((4, 6))}, tx.init(params), params)
 
 
 def test_routing_vectors_to_adam_and_path_mask():

@@ -118,7 +118,7 @@ def _optimal_residual(g, u, sigma, p, b1):
   rsq = jnp.sum(jnp.square(resid), axis=-2)
   real = rsq > RESIDUAL_FLOOR * jnp.sum(jnp.square(g), axis=-2)
   resid = jnp.where(real[..., None, :], resid, 0.0)
-  p_new = b1 * p + (1 - b1) * jnp.where(real, rsq, 0.0)
+  p_new = linalg.ema(b1, p, jnp.where(real, rsq, 0.0))
   p_new = jnp.where(jnp.isfinite(p_new), p_new, p)
   return resid, p_new
 

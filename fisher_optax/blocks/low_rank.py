@@ -144,7 +144,7 @@ class _Tracker:
     and ``U`` in the state dtype."""
     sigma = linalg.matmul(jnp.swapaxes(u, -1, -2), gc)
     if q is not None:
-      q = self.b3 * q + (1 - self.b3) * linalg.matmul(sigma, jnp.swapaxes(sigma, -1, -2))
+      q = linalg.ema(self.b3, q, linalg.matmul(sigma, jnp.swapaxes(sigma, -1, -2)))
       q = q.astype(self.sdtype)
     return sigma, q, u.astype(self.sdtype)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import grouping, lifting, validation
+from fisher_optax import grouping, lifting, linalg, validation
 
 
 class ScaleByMomentsState(NamedTuple):
@@ -52,8 +52,8 @@ def scale_by_moments(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
 
   def leaf(u, mu, nu):
     x = u.astype(jnp.float32)
-    mu = otu.tree_update_moment(x, mu, b1, 1)
-    nu = otu.tree_update_moment_per_elem_norm(x, nu, b2, 2)
+    mu = linalg.ema(b1, mu.astype(jnp.float32), x)
+    nu = linalg.ema(b2, nu.astype(jnp.float32), jnp.square(x))
     out = lifting.cast_like(mu / (jnp.sqrt(nu) + eps), u.dtype)
     return out, mu.astype(dtype), nu.astype(dtype)
 

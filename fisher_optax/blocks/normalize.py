@@ -22,7 +22,10 @@ statistic is taken per column (``"columns"``, the paper's ``Normalize``) or per 
 matrices are read as their transpose, so ``"rows"`` always runs over the longer side).
 
 A column (row) whose statistic is zero gives zero there; ``eps`` is added to the norm
-(standard deviation). Float32 inside, the parameter dtype outside; non-finite entries
+(standard deviation). Centering a constant row leaves float32 rounding noise of about
+``1e-7 max|G|`` where the exact result is zero, and that noise depends on the order of
+the summation; a row whose standard deviation is below ``1e-6 max|G|`` is therefore
+taken as constant and gives exactly zero, not its rounding noise scaled to unit RMS. Float32 inside, the parameter dtype outside; non-finite entries
 stay visible. No state.
 """
 
@@ -35,6 +38,9 @@ import optax
 from fisher_optax import lifting, matrices, validation
 
 
+_CENTER_FLOOR = 1e-6  # relative to max|G|: above float32's cancellation noise
+
+
 def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.Array:
   """One canonical ``m x n`` matrix, float32 (see the module docstring)."""
   red = 0 if axis == "columns" else 1
@@ -45,8 +51,9 @@ def normalize_matrix(g: jax.Array, axis: str, center: bool, eps: float) -> jax.A
   if center:
     x = x - jnp.mean(x, axis=red, keepdims=True)
     scale = jnp.sqrt(jnp.mean(jnp.square(x), axis=red, keepdims=True))
-  else:
-    scale = jnp.sqrt(jnp.sum(jnp.square(x), axis=red, keepdims=True))
+    # centering noise: x is at most 1 here, its float32 cancellation error ~1e-7
+    return jnp.where(scale <= _CENTER_FLOOR, 0.0, x / (scale + eps / c))  # NaN stays NaN
+  scale = jnp.sqrt(jnp.sum(jnp.square(x), axis=red, keepdims=True))
   return x / (scale + eps / c)
 
 

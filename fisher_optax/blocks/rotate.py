@@ -112,7 +112,7 @@ def stats_update(stat: Optional[jax.Array], g: jax.Array, side: str,
   if stat is None:
     return None
   outer = linalg.matmul(g, g.T) if side == "left" else linalg.matmul(g.T, g)
-  return stat + outer if b3 is None else b3 * stat + (1 - b3) * outer
+  return stat + outer if b3 is None else linalg.ema(b3, stat, outer)
 
 
 def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

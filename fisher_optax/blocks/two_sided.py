@@ -115,8 +115,8 @@ def scale_by_two_sided(*, beta: float = 0.9, iters: int = 5, eps: float = 1e-8,
 
   def per_matrix(g, s, q):
     s_new, q_new = two_sided_fixed_point(g, iters)
-    s_t = beta * s + (1 - beta) * s_new
-    q_t = beta * q + (1 - beta) * q_new
+    s_t = linalg.ema(beta, s, s_new)
+    q_t = linalg.ema(beta, q, q_new)
     # s_t, q_t >= 0 and max propagates NaN, so the maxima alone tell whether both are
     # finite; reusing them for the floors saves four small reductions per matrix
     s_max, q_max = jnp.max(s_t), jnp.max(q_t)

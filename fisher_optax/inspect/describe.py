@@ -1,8 +1,9 @@
 """``fo.describe(tx, params)``: how a named optimizer routes every leaf of a model.
 
 A table of every parameter -- path, shape, rule (the structured block or the fallback),
-matrix view ``batch x m x n`` (with merged axes), rank actually used, optimizer-state
-numbers next to Adam's (``2 x size``) -- and totals; returned as data
+matrix view ``batch x fan-in x fan-out`` (merged axes; rows are the contracted side),
+rank actually used, optimizer-state numbers next to Adam's (``2 x size``) -- and
+totals; returned as data
 (:class:`Description`) and printable as text. Reading it before training shows at a
 glance a stack of norm scales taken for a matrix, a conv kernel split into many small
 matrices, or a typo'd mask that sent the whole model to Adam.
@@ -26,15 +27,19 @@ class LeafRouting:
   path: str
   shape: tuple
   rule: str                 # e.g. "alice" or "fallback"
-  view: str                 # "batch x m x n" of the canonical matrices, or "-"
+  view: str                 # "batch x fan-in x fan-out" of the matrices, or "-"
   rank: Optional[int]       # rank used per matrix (low-rank rules), else None
-  state_numbers: int        # this leaf's optimizer-state numbers
+  state_numbers: int        # this leaf's optimizer-state numbers, wrappers' included
   adam_numbers: int         # Adam's: 2 x size
+  own_numbers: int = -1     # the named optimizer's own state for this leaf (-1: all)
+  unclassified: str = ""    # why the dims rule could not classify the leaf, if so
 
   @property
   def above_adam(self) -> bool:
-    """A structured leaf whose state is larger than Adam's would be."""
-    return self.rule not in ("fallback", "other") and self.state_numbers > self.adam_numbers
+    """A structured leaf whose named optimizer keeps more state for it than Adam would
+    (wrappers' own state, e.g. ``optax.MultiSteps``'s accumulator, is not counted)."""
+    own = self.state_numbers if self.own_numbers < 0 else self.own_numbers
+    return self.rule not in ("fallback", "other") and own > self.adam_numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,12 @@ class Description:
   def above_adam(self) -> tuple:
     """Paths of the structured leaves whose state is larger than Adam's."""
     return tuple(r.path for r in self.rows if r.above_adam)
+
+  @property
+  def unclassified(self) -> tuple:
+    """Paths of the leaves that the ``dims`` rule could not classify (they train on the
+    fallback; the note says why)."""
+    return tuple(r.path for r in self.rows if r.unclassified)
 
   def as_dicts(self) -> list[dict]:
     return [dataclasses.asdict(r) for r in self.rows]
@@ -93,8 +104,16 @@ def describe(tx: Any, params: Any) -> Description:
   state is larger than Adam's (a rank clipped to a small matrix's side can do that) is
   marked ``!`` and listed in :attr:`~fisher_optax.Description.above_adam`.
 
+  The matrix view is ``batch x fan-in x fan-out``: rows are the contracted (input)
+  side, so a weight stored ``(out, in)`` and routed with the right ``dims`` shows its
+  sides in the same order as an ``(in, out)`` one. A leaf that a model rule
+  (:func:`~fisher_optax.flax_dims`, :func:`~fisher_optax.linen_dims`,
+  :func:`~fisher_optax.equinox_dims`) could not classify is marked ``?`` and the note
+  says why; :attr:`~fisher_optax.Description.unclassified` lists them.
+
   The state column counts every state array that ends in the leaf's path (wrappers'
-  accumulators included, e.g. ``optax.MultiSteps``'s gradient sum).
+  accumulators included, e.g. ``optax.MultiSteps``'s gradient sum); ``!`` compares the
+  named optimizer's own state with Adam's.
   """
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   paths = [routing.path_to_str(p) for p, _ in flat]
@@ -104,19 +123,44 @@ def describe(tx: Any, params: Any) -> Description:
     state = jax.eval_shape(lambda p: tx.init(p), params)
   seen = _routing_by_path(found)
   counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat])
+  own = _own_numbers(found, flat, paths)
   for rec in found:
     if stacking.is_stacked(rec.routed):
       stacking.add_stacked_state(counts, rec, paths)
   notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
-  rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other")
-          for (_, x), key, n in zip(flat, paths, counts)]
+  rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other",
+               own=o)
+          for (_, x), key, n, o in zip(flat, paths, counts, own)]
+  unclassified = [r for r in rows if r.unclassified]
+  if unclassified:
+    shown = "; ".join(f"{r.path}: {r.unclassified}" for r in unclassified[:3])
+    more = f" (and {len(unclassified) - 3} more)" if len(unclassified) > 3 else ""
+    notes.append(f"? not classified by the dims rule, so on the fallback: {shown}{more}")
   if found and any(row.rule == "other" for row in rows):
     notes.append("other: leaves that no fisher_optax named optimizer inside tx receives")
   if any(row.above_adam for row in rows):
-    notes.append("! state above Adam's for this leaf: a small matrix under a rank clipped "
-                 "to its side, or a full-matrix preconditioner (SOAP, Shampoo, Eigen-Adam) "
-                 "by design; a lower rank, or mask= sending it to the fallback, saves memory")
+    notes.append("! the optimizer's own state for this leaf is above Adam's: a small "
+                 "matrix under a rank clipped to its side, or a full-matrix preconditioner "
+                 "(SOAP, Shampoo, Eigen-Adam) by design; a lower rank, or mask= sending it "
+                 "to the fallback, saves memory")
   return Description(tuple(rows), "; ".join(notes))
+
+
+def _own_numbers(found: list, flat: list, paths: list) -> list:
+  """Per leaf, the state numbers of the named optimizer that received it (its own
+  state: no wrapper's accumulator)."""
+  own = [0] * len(paths)
+  index = {p: i for i, p in enumerate(paths)}
+  for rec in found:
+    inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
+    counts = memory.state_sizes_by_leaf(rec.state, [p for p, _ in inner])
+    if stacking.is_stacked(rec.routed):
+      stacking.add_stacked_state(counts, rec, [routing.path_to_str(p) for p, _ in inner])
+    for (p, _), n in zip(inner, counts):
+      i = index.get(routing.path_to_str(p))
+      if i is not None:
+        own[i] += n
+  return own
 
 
 def _routing_by_path(found: list) -> dict:
@@ -132,26 +176,30 @@ def _routing_by_path(found: list) -> dict:
   return seen
 
 
-def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: str
-         ) -> LeafRouting:
+def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: str,
+         own: int = -1) -> LeafRouting:
   """One leaf's row; ``routed`` is its ``(record, label, dims)`` or ``None``."""
-  view, r, rule = "-", None, default
+  view, r, rule, why = "-", None, default, ""
   if routed is not None:
     rec, label, d = routed
     rule = rec.routed.info.get("name", "structured") if label == "structured" else "fallback"
+    if label == "fallback" and isinstance(d, matrices.Unclassified):
+      view, why = "? unclassified", d.reason
     if label == "fallback" and rec.routed.dims is None and len(shape) > 2:
       view = "? *"
       star = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
               "cannot be told apart, so the fallback; pass dims=fo.flax_dims(model) "
-              "(Flax NNX) or fo.MatrixDims(...)")
+              "(Flax NNX), fo.linen_dims(module, x) (Linen), fo.equinox_dims(model) "
+              "(Equinox) or fo.MatrixDims(...)")
       if star not in notes:
         notes.append(star)
     if label == "structured":
-      v = matrices.matrix_view(shape, d, smaller_first=True)
-      view = " x ".join(map(str, v.batch_shape + (v.m, v.n)))
+      v = matrices.matrix_view(shape, d)
+      view = " x ".join(map(str, v.batch_shape + (v.fan_in, v.fan_out)))
       rank = rec.routed.info.get("rank")
       if rank is not None:
-        r = min(int(rank), v.m)
-  return LeafRouting(key, shape, rule, view, r, numbers, 2 * int(math.prod(shape)))
+        r = min(int(rank), v.fan_in, v.fan_out)
+  return LeafRouting(key, shape, rule, view, r, numbers, 2 * int(math.prod(shape)),
+                     own_numbers=own if routed is not None else -1, unclassified=why)
 
 
