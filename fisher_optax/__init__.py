@@ -24,7 +24,8 @@ from fisher_optax.equinox_dims import EquinoxDims, equinox_dims
 from fisher_optax.flax_dims import FlaxDims, flax_dims, linen_dims
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims, ModelDims, Unclassified
+from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, MatrixDims, ModelDims, Unclassified,
+                                   einsum_dims)
 from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
 from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
@@ -46,7 +47,7 @@ __all__ = [
     "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
     "DimsRule", "EquinoxDims", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
-    "PathMask", "Unclassified", "default_mask", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
+    "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
     "paper_state_numbers", "state_bytes", "state_numbers", "state_partition_specs",
     "state_shardings", "with_auto_axes",
 ]

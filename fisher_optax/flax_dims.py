@@ -4,7 +4,7 @@
 Both return a rule (:class:`FlaxDims`) that maps a tree of the model's parameters to how
 each parameter is a matrix (:class:`~fisher_optax.MatrixDims`), that it is none
 (:data:`~fisher_optax.NOT_A_MATRIX`: the named optimizers send it to their fallback), or
-that the rule could not tell (:class:`~fisher_optax.matrices.Unclassified`: also the
+that the rule could not tell (:class:`~fisher_optax.Unclassified`: also the
 fallback, but :func:`fisher_optax.describe` flags it and says why). Pass it as ``dims=``
 to any named optimizer::
 
@@ -25,8 +25,7 @@ parameter                                    matrix (rows x cols)               
 output ``(heads, head_dim, out)``)           ``heads*head_dim x out``            dimension
                                                                                  numbers
 ``Einsum`` kernel (any module with an        from the spec: contracted axes x    Gemma
-``einsum_str``), e.g. ``"BTD,NDH->BTNH"``    output axes (:func:`~fisher_optax.
-                                             matrices.einsum_dims`)
+``einsum_str``), e.g. ``"BTD,NDH->BTNH"``    output axes (``fo.einsum_dims``)
 ``Conv``/``ConvTranspose`` kernel            ``kh*kw*cin x cout``                Shampoo
 ``(kh, kw, cin, cout)``                                                          for conv
 ``Embed`` embedding                          ``vocab x features``                (route
@@ -203,9 +202,9 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
   the masked trees inside ``optax.partition`` -- to the dims of its leaves.
 
   ``nnx.Einsum`` kernels (and those of any module carrying an ``einsum_str``, as
-  Gemma's) are read from their spec (:func:`~fisher_optax.matrices.einsum_dims`). A
+  Gemma's) are read from their spec (:func:`~fisher_optax.einsum_dims`). A
   parameter the rule cannot classify goes to the fallback as
-  :class:`~fisher_optax.matrices.Unclassified`: :func:`~fisher_optax.describe` flags it
+  :class:`~fisher_optax.Unclassified`: :func:`~fisher_optax.describe` flags it
   and the rule's ``unclassified`` lists it.
 
   The rule is not a Python callable, so it passes through
