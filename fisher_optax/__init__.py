@@ -7,17 +7,20 @@ via Structured Fisher Approximation with a Low-Rank Extension", arXiv:2502.07752
 from fisher_optax._version import __version__
 from fisher_optax.alias import (alice, alice0, alice_soap, apollo, apollo_mini,
                                 default_leading, eigen_adam, fira, galore,
-                                inject_hyperparams, muon, racs, shampoo, soap, swan)
+                                inject_hyperparams, muon, normuon, racs, shampoo, soap,
+                                swan)
 from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthLimiterState,
                                  OnCoefficientsState, RandomProjectState, RotateSideState,
                                  RotateState, ScaleByBiasCorrectionState, ScaleByMomentsState,
-                                 ScaleByMomentumState, ScaleByTwoSidedState, Subspace,
+                                 ScaleByMomentumState, ScaleByRowMomentsState,
+                                 ScaleByTwoSidedState, Subspace,
                                  SubspaceGuard, SubspaceRefresh, SvdRefresh, Switch,
                                  compensate, in_subspace,
                                  low_rank_track, norm_growth_limiter, normalize,
                                  on_coefficients, project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_moments,
-                                 scale_by_momentum, scale_by_shape, scale_by_subspace_ratio,
+                                 scale_by_momentum, scale_by_row_moments, scale_by_shape,
+                                 scale_by_subspace_ratio, scale_to_rms,
                                  scale_by_two_sided, subspace_refresh, svd_refresh, switch,
                                  whiten)
 from fisher_optax.equinox_dims import EquinoxDims, equinox_dims
@@ -33,18 +36,20 @@ from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
 __all__ = [
     # named optimizers
     "alice", "alice0", "alice_soap", "apollo", "apollo_mini", "eigen_adam", "fira",
-    "galore", "muon", "racs", "shampoo", "soap", "swan", "default_leading",
+    "galore", "muon", "normuon", "racs", "shampoo", "soap", "swan", "default_leading",
     "inject_hyperparams",
     # blocks
     "compensate", "in_subspace", "low_rank_track", "norm_growth_limiter", "normalize",
     "on_coefficients", "project_back", "random_project", "rotate",
-    "scale_by_bias_correction", "scale_by_moments", "scale_by_momentum", "scale_by_shape",
-    "scale_by_subspace_ratio", "scale_by_two_sided", "subspace_refresh", "svd_refresh",
+    "scale_by_bias_correction", "scale_by_moments", "scale_by_momentum",
+    "scale_by_row_moments", "scale_by_shape", "scale_by_subspace_ratio", "scale_to_rms",
+    "scale_by_two_sided", "subspace_refresh", "svd_refresh",
     "switch", "whiten", "Subspace", "SubspaceGuard", "SubspaceRefresh", "SvdRefresh", "Switch",
     # states
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
     "RandomProjectState", "RotateSideState", "RotateState", "ScaleByBiasCorrectionState",
-    "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByTwoSidedState",
+    "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByRowMomentsState",
+    "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
     "DimsRule", "EquinoxDims", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
     "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",

@@ -27,6 +27,7 @@ from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter
                                  scale_by_moments, scale_by_two_sided, subspace_refresh,
                                  svd_refresh, switch)
 from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
+from fisher_optax.blocks import scale_by_row_moments, scale_to_rms
 from fisher_optax.blocks.switching import SubspaceRefresh, SvdRefresh
 from fisher_optax.blocks.whiten import MUON_COEFFS
 
@@ -90,8 +91,15 @@ _COMMON_ARGS = """\
       interchangeable: a state of the other layout is a ``ValueError`` that says
       which ``stack_matrices`` continues it.
       Matrices that draw random numbers (switching, APOLLO) get other draws.
-    fallback: transformation for the other leaves (default ``optax.adam(learning_rate)``
-      run in float32), e.g. ``optax.adamw(lr, weight_decay=0.1)``."""
+    fallback: transformation for the other leaves (default
+      ``optax.adam(fallback_learning_rate)`` run in float32), e.g.
+      ``optax.adamw(lr, weight_decay=0.1)``.
+    fallback_learning_rate: learning rate (or schedule) of the default fallback; default
+      ``None``: ``learning_rate``, the paper's setting for embeddings, norms and biases.
+      The structured rule's learning rate is scaled inside it (``alpha``, a unit-RMS
+      direction), so it can be 10-20x above Adam's usable range: when the fallback
+      receives weight matrices (kernels with no ``dims``), give it Adam's own rate, e.g.
+      ``1e-3`` (docs: "Your model")."""
 
 
 _APOLLO_ARGS = """\
@@ -137,7 +145,7 @@ def _ex(call: str) -> str:
 
 def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dims, fallback,
             weight_decay=None, *, name: str = "structured", rank: Optional[int] = None,
-            stack: Union[bool, str] = False):
+            stack: Union[bool, str] = False, fallback_lr=None):
   """Closes a chain: ``blocks(block_dims)``, decoupled weight decay on the structured
   leaves, then the step size; then the optional stacked layout, ``Auto`` axes under an
   ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
@@ -164,7 +172,12 @@ def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, di
     structured = stacking.stack_matrices(structured, dims=dims)
   # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes
   structured = explicit_axes.with_auto_axes(structured)
-  fallback = fallback if fallback is not None else routing.in_float32(optax.adam(learning_rate))
+  if fallback is not None and fallback_lr is not None:
+    raise ValueError(f"fo.{name}: give fallback= or fallback_learning_rate=, not both (the "
+                     "learning rate is part of the fallback transformation you pass)")
+  if fallback is None:
+    fallback_lr = learning_rate if fallback_lr is None else fallback_lr
+    fallback = routing.in_float32(optax.adam(fallback_lr))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
                        info=dict(name=name, rank=rank, stack_matrices=stack))
 
@@ -175,7 +188,8 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
-         fallback: Optional[optax.GradientTransformation] = None
+         fallback: Optional[optax.GradientTransformation] = None,
+         fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""RACS, row and column scaled SGD (paper Sec. 4, Alg. "RACS").
 
@@ -207,6 +221,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
             optax.scale(alpha)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="racs")
 
 
@@ -249,6 +264,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
           dims: matrices.DimsSpec = None,
           stack_matrices: Union[bool, str] = "auto",
           fallback: Optional[optax.GradientTransformation] = None,
+          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice, low-rank Eigen-Adam with tracking, switching and compensation (paper Sec. 5.4,
   Alg. "Alice").
@@ -297,6 +313,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                         state_dtype=state_dtype) + [optax.scale(alpha)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="alice", rank=rank)
 
 
@@ -309,6 +326,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
+           fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-0: :func:`alice` without tracking (``b3 = 0``: no ``r x r`` state; paper Sec.
   5.4).
@@ -345,6 +363,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                         state_dtype=state_dtype) + [optax.scale(alpha)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="alice0", rank=rank)
 
 
@@ -359,6 +378,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
                fallback: Optional[optax.GradientTransformation] = None,
+               fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
   r"""Alice-SOAP: a two-sided low-rank SOAP from the paper's tracking / switching /
   compensation framework (Sec. 5) applied to SOAP's structure (Sec. 3.5). Not in the
@@ -432,6 +452,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                         **common) + [optax.scale(alpha)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="alice_soap", rank=rank)
 
 
@@ -452,6 +473,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
+           fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
            state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""GaLore (Zhao et al. 2024, arXiv:2403.03507; paper App. "Low rank optimizers"), as its
   release behaves.
@@ -485,6 +507,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
         project_back(), optax.scale(scale), scale_by_bias_correction(b1, b2)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="galore",
                  rank=rank)
 
@@ -497,6 +520,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
+         fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
          state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
   r"""Fira (Chen et al. 2024, arXiv:2410.01623): GaLore plus the norm-based scaled residual
   and a norm-growth limiter, as its release.
@@ -532,6 +556,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
         scale_by_bias_correction(b1, b2)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="fira",
                  rank=rank)
 
@@ -554,7 +579,8 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
-               fallback: Optional[optax.GradientTransformation] = None
+               fallback: Optional[optax.GradientTransformation] = None,
+               fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
                ) -> optax.GradientTransformationExtraArgs:
   r"""Eigen-Adam (Alice-C / AdaDiag / one-sided SOAP; paper Sec. 3.4, Alg. "Eigen-Adam").
 
@@ -583,6 +609,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                    max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="eigen_adam")
 
 
@@ -593,7 +620,8 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
-         fallback: Optional[optax.GradientTransformation] = None
+         fallback: Optional[optax.GradientTransformation] = None,
+         fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SOAP (Vyas et al. 2024, arXiv:2409.11321; paper Sec. 3.5, App. "SOAP/AdaDiag++"), as
   the SOAP authors' reference optimizer.
@@ -630,6 +658,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
                    max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="soap")
 
 
@@ -639,7 +668,8 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
             weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
             stack_matrices: Union[bool, str] = "auto",
-            fallback: Optional[optax.GradientTransformation] = None
+            fallback: Optional[optax.GradientTransformation] = None,
+            fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
             ) -> optax.GradientTransformationExtraArgs:
   r"""Shampoo (Gupta et al. 2018, arXiv:1802.09568; paper Sec. 3.2, App. "Shampoo").
 
@@ -668,6 +698,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
                    stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="shampoo")
 
 
@@ -687,7 +718,7 @@ shampoo.static_args = ("max_precond_dim",)
 
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
-            dims, stack_matrices, fallback, weight_decay):
+            dims, stack_matrices, fallback, weight_decay, fallback_learning_rate):
   validation.check_range("scale", scale, low=0.0, high=float("inf"))  # used here: sqrt
   def blocks(bd):
     project = random_project(rank=rank, interval=interval, seed=seed, dims=bd)
@@ -698,6 +729,7 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
             else optax.scale(scale ** 0.5), scale_by_bias_correction(b1, b2)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  name="apollo" if kind == "channel" else "apollo_mini", rank=rank,
                  stack=stack_matrices)
 
@@ -709,7 +741,8 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
-           fallback: Optional[optax.GradientTransformation] = None
+           fallback: Optional[optax.GradientTransformation] = None,
+           fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
            ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO (Zhu et al. 2024, arXiv:2412.05270; paper App. "Apollo"), as its release:
   channel-wise scaling.
@@ -736,7 +769,8 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
                  b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
                  stack_matrices=stack_matrices,
-                 fallback=fallback, weight_decay=weight_decay)
+                 fallback=fallback, weight_decay=weight_decay,
+                 fallback_learning_rate=fallback_learning_rate)
 
 
 @_documented(_ex('apollo_mini(1e-2)'))
@@ -746,7 +780,8 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                 dims: matrices.DimsSpec = None,
                 stack_matrices: Union[bool, str] = "auto",
-                fallback: Optional[optax.GradientTransformation] = None
+                fallback: Optional[optax.GradientTransformation] = None,
+                fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
                 ) -> optax.GradientTransformationExtraArgs:
   r"""APOLLO-mini (Zhu et al. 2024, arXiv:2412.05270): :func:`apollo` at rank 1 with
   tensor-wise scaling.
@@ -770,7 +805,8 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
   return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
                  b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
                  stack_matrices=stack_matrices,
-                 fallback=fallback, weight_decay=weight_decay)
+                 fallback=fallback, weight_decay=weight_decay,
+                 fallback_learning_rate=fallback_learning_rate)
 
 
 apollo.static_args = ("rank",)
@@ -785,7 +821,8 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
-         fallback: Optional[optax.GradientTransformation] = None
+         fallback: Optional[optax.GradientTransformation] = None,
+         fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""SWAN (Ma et al. 2024, arXiv:2412.13148; paper App. "SWAN", Sec. 3.3): stateless
   normalization then whitening.
@@ -815,6 +852,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
             scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="swan")
 
 
@@ -824,7 +862,8 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
-         fallback: Optional[optax.GradientTransformation] = None
+         fallback: Optional[optax.GradientTransformation] = None,
+         fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
   r"""Muon by composition (Jordan et al. 2024; paper App. "Muon"): whitening of the
   momentum.
@@ -856,11 +895,66 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
             scale_by_shape(consistent_rms=consistent_rms, dims=bd)]
 
   return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
                  stack=stack_matrices, name="muon")
+
+
+@_documented(_ex('normuon(1e-2)'))
+def normuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: float = 0.95,
+            nesterov: bool = True, steps: int = 5, coeffs: tuple = MUON_COEFFS,
+            rms: float = 0.2, eps: float = 1e-8,
+            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
+            dims: matrices.DimsSpec = None,
+            stack_matrices: Union[bool, str] = "auto",
+            fallback: Optional[optax.GradientTransformation] = None,
+            fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
+            ) -> optax.GradientTransformationExtraArgs:
+  r"""NorMuon (Li, Liu, Liang, Chen, Zhao 2025, arXiv:2510.05491, Alg. 1): Muon's
+  whitened momentum, normalized per neuron by an EMA of its second moment.
+
+  .. math::
+
+    M \leftarrow eta M + (1-eta) G,\quad O = \mathrm{NS}(M),\quad
+    v_j \leftarrow b_2 v_j + (1-b_2)\,	frac{1}{m}	extstyle\sum_i O_{ij}^2,\quad
+    \hat O = O\,\mathrm{diag}(\sqrt{v} + \epsilon)^{-1},\quad
+    W \leftarrow W - \eta_t ig(0.2\,\sqrt{mn}\,\hat O / \|\hat O\|_F + \lambda Wig)
+
+  for an ``m x n`` matrix with ``m`` the fan-in and ``n`` the fan-out (a Flax kernel
+  ``(in, out)``; NorMuon's neurons are the output units, the columns here). In the
+  paper's framework (arXiv:2502.07752, Sec. 3.3) it composes the whitening structure
+  with a diagonal normalization structure ``diag(v) (x) I`` estimated over time.
+  Chain: :func:`scale_by_momentum` (Nesterov, as NorMuon's release) -> :func:`whiten`
+  (Newton--Schulz) -> :func:`scale_by_row_moments` (``unit="fan_out"``) ->
+  :func:`scale_to_rms` (``rms``) -> ``scale_by_learning_rate``. State per ``m x n``
+  matrix: ``mn + n`` (momentum and ``v``) and a step counter. Send embeddings and the
+  output layer to the fallback with ``mask=``, as for :func:`muon`.
+
+  Args:
+    learning_rate: ``eta_t``, a float or an optax schedule (AdamW's range: the update's
+      RMS is ``rms * eta_t``).
+    beta: momentum decay (NorMuon: 0.95).
+    b2: decay of the per-neuron second moment ``v`` (NorMuon: 0.95).
+    nesterov: Nesterov momentum (default ``True``, as NorMuon's release).
+    steps: Newton--Schulz iterations (5); may be traced.
+    coeffs: Newton--Schulz coefficients (Muon's).
+    rms: RMS of every matrix update before the learning rate (NorMuon's 0.2).
+    eps: floor of the Newton--Schulz normalization and added to ``sqrt(v)``.
+{common}
+  """
+  def blocks(bd):
+    return [scale_by_momentum(beta, nesterov=nesterov),
+            whiten(steps=steps, coeffs=coeffs, eps=eps, dims=bd),
+            scale_by_row_moments(b2=b2, eps=eps, unit="fan_out", dims=bd),
+            scale_to_rms(rms, dims=bd)]
+
+  return _finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
+                 fallback_lr=fallback_learning_rate,
+                 stack=stack_matrices, name="normuon")
 
 
 swan.static_args = ("steps",)
 muon.static_args = ("steps",)
+normuon.static_args = ("steps",)
 apollo_mini.static_args = ()
 
 

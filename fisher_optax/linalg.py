@@ -222,6 +222,23 @@ def ema(decay, old: jax.Array, new: jax.Array) -> jax.Array:
   return (d * old + (1 - d) * new).astype(dtype)
 
 
+def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
+  """Fira's norm-growth limit (paper Eq. "norm-growth limiter"): ``eta = gamma /
+  max(norm / phi, gamma)``, ``phi <- eta * norm``, with ``gamma = threshold``. Returns
+  ``(eta, new_phi)`` for the current norm and the previous ``phi`` (used by the
+  :func:`~fisher_optax.norm_growth_limiter` block and by :func:`~fisher_optax.compensate`).
+
+  A non-finite norm leaves ``phi`` unchanged; with ``phi > 0`` it gives ``eta = 0``
+  for ``inf`` and ``eta = NaN`` for NaN (the bad step stays visible); while ``phi = 0``
+  there is no reference yet and ``eta = 1``.
+  """
+  norm = norm.astype(jnp.float32)
+  safe_phi = jnp.where(phi > 0, phi, 1.0)
+  eta = jnp.where(phi > 0, threshold / jnp.maximum(norm / safe_phi, threshold), 1.0)
+  new_phi = eta * norm
+  return eta, jnp.where(jnp.isfinite(new_phi), new_phi, phi)
+
+
 def safe_rsqrt(x: jax.Array) -> jax.Array:
   """``x ** -1/2`` where ``x > 0``, else 0: a zero scale gives a zero (finite) update."""
   pos = x > 0

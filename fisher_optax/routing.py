@@ -5,7 +5,7 @@ The default mask takes only 2-D leaves as matrices (:func:`default_mask`); ``dim
 routes stacks, attention and conv kernels; :func:`path_mask` selects by parameter path;
 :func:`route` sends the selected leaves to the structured rule and the rest to the
 fallback (``optax.partition``). How a routed leaf becomes ``m x n`` matrices is
-:mod:`fisher_optax.matrices` (re-exported here for compatibility).
+:mod:`fisher_optax.matrices`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax.lifting import cast_like
-from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, DimsSpec, MatrixDims, NotAMatrix,
-                                   check_prefix, is_matrix_shape, normalize_axes, resolve_dims)
+from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, check_prefix,
+                                   is_matrix_shape, normalize_axes, resolve_dims)
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).
@@ -291,6 +291,8 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   tx = optax.partition({"structured": structured, "fallback": fallback}, labels)
 
   def init(params):
+    if mask is None and dims is None:
+      _warn_unrouted(params, (info or {}).get("name", "structured"))
     state = tx.init(params)
     for found in _RECORDERS:
       found.append(RoutedInit(out, _shape_struct(params), labels(params), _shape_struct(state)))
@@ -305,6 +307,27 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   out = RoutedTransformation(init, update)
   out.labels, out.dims, out.info = labels, dims, dict(info or {})
   return out
+
+
+def _warn_unrouted(params: Any, name: str) -> None:
+  """Warns when the default routing sends weight kernels to the fallback: leaves with more
+  than two dims (not a bias's or norm scale's name) and no ``dims`` to say which axes are
+  the matrix. They then train with the fallback's Adam at the fallback's learning rate,
+  by default the structured rule's, which is scaled for a unit-RMS direction and can be
+  far above Adam's usable range."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  kernels = [(path_to_str(p), tuple(jnp.shape(x))) for p, x in flat
+             if len(jnp.shape(x)) > 2 and not is_vector_name(p)]
+  if kernels:
+    path, shape = kernels[0]
+    warnings.warn(
+        f"fo.{name}: {len(kernels)} leaves with more than two dims (e.g. {path!r} of shape "
+        f"{shape}) go to the fallback, since no dims= says which of their axes form the "
+        "matrix (a layer stack, an attention and a conv kernel look alike). Route them "
+        "with dims=fo.flax_dims(model) (NNX), fo.linen_dims(module, x) (Linen), "
+        "fo.equinox_dims(model) (Equinox) or fo.MatrixDims(...); or pass mask= to keep "
+        "them on the fallback on purpose, with fallback_learning_rate= at Adam's own rate.",
+        UserWarning, stacklevel=3)
 
 
 _GROUP_KEY = re.compile(r" \d+x\d+$")

@@ -406,6 +406,44 @@ class ShampooRef:
     return -self.kw["lr"] * self.Lr @ g @ self.Rr
 
 
+class NorMuonRef:
+  """NorMuon (arXiv:2510.05491, Alg. 1) with the library's momentum (optax.contrib's
+  bias-corrected Nesterov form) and Muon's quintic Newton--Schulz on the smaller side:
+  per fan-out unit (column) an EMA of the mean square over fan-in, then RMS 0.2 * lr."""
+
+  COEFFS = (3.4445, -4.7750, 2.0315)
+
+  def __init__(self, m, n, *, lr, beta=0.95, b2=0.95, steps=5, rms=0.2, eps=1e-8,
+               weight_decay=None):
+    self.M, self.v, self.t = np.zeros((m, n)), np.zeros(n), 0
+    self.kw = dict(lr=lr, beta=beta, b2=b2, steps=steps, rms=rms, eps=eps)
+
+  def ns(self, x):
+    k = self.kw
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    c = np.max(np.abs(x))
+    x = x / (c if c > 0 else 1.0)
+    x = x / (np.linalg.norm(x) + k["eps"])
+    a, b, cc = self.COEFFS
+    for _ in range(k["steps"]):
+      s = x @ x.T
+      x = a * x + (b * s + cc * s @ s) @ x
+    return x.T if tall else x
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    beta = k["beta"]
+    self.M = beta * self.M + (1 - beta) * g
+    x = (beta * self.M / (1 - beta ** (self.t + 1)) + (1 - beta) * g / (1 - beta ** self.t))
+    o = self.ns(x)
+    self.v = k["b2"] * self.v + (1 - k["b2"]) * np.mean(o ** 2, axis=0)
+    o = o / (np.sqrt(self.v) + k["eps"])[None, :]
+    o = k["rms"] * np.sqrt(o.size) * o / np.linalg.norm(o)
+    return -k["lr"] * o
+
+
 _make_base = make
 
 
@@ -416,6 +454,8 @@ def make(name, m, n, **kw):  # noqa: F811  (extends the low-rank references abov
     return SoapRef(m, n, **kw)
   if name == "shampoo":
     return ShampooRef(m, n, **kw)
+  if name == "normuon":
+    return NorMuonRef(m, n, **kw)
   return _make_base(name, m, n, **kw)
 
 

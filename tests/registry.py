@@ -92,6 +92,8 @@ CASES = {
                     train=dict(learning_rate=0.1, eps=1e-4, interval=5)),
     "swan": Case({}, "whitening", train=dict(learning_rate=0.02)),
     "muon": Case({}, "whitening", train=dict(learning_rate=0.02)),
+    "normuon": Case({}, "normalized whitening", reference={},
+                    train=dict(learning_rate=0.05)),
 }
 
 NAMES = list(CASES)

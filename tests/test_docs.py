@@ -31,3 +31,24 @@ def test_examples_run():
   for t in tests:
     runner.run(t)
   assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_docs_build_fails_on_a_page_that_loads_from_the_network(tmp_path):
+  """``docs/build.py`` checks the built site: maths and scripts come from the site itself
+  (bundled MathJax), so it renders offline; a script, stylesheet or font from another
+  host fails the build. Links the reader follows are fine."""
+  import importlib.util
+  import pathlib
+  spec = importlib.util.spec_from_file_location(
+      "docs_build", pathlib.Path(__file__).resolve().parents[1] / "docs" / "build.py")
+  build = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(build)
+  (tmp_path / "ok.html").write_text(
+      '<script defer src="_static/mathjax/tex-chtml.js"></script>'
+      '<a href="https://arxiv.org/abs/2502.07752">paper</a>')
+  build.check_offline(tmp_path)
+  for bad in ('<script src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-chtml.js">',
+              "<link rel='stylesheet' href='//fonts.googleapis.com/css?family=Roboto'>"):
+    (tmp_path / "bad.html").write_text(bad)
+    with pytest.raises(SystemExit, match="bad.html"):
+      build.check_offline(tmp_path)

@@ -372,3 +372,44 @@ def test_a_dims_or_mask_tree_that_does_not_fit_names_the_leaf():
   with pytest.raises(ValueError, match=re.escape("`mask` does not match the params: it has "
                                                  "no entry for the leaf 'c'")):
     fo.racs(1e-2, mask={"a": {"w": True, "b": False}, "d": False}).init(params)
+
+
+# ------------------------------------------------------------ the fallback
+
+
+def test_fallback_learning_rate_sets_the_default_fallbacks_rate():
+  params = {"w": jnp.ones((4, 6)), "b": jnp.ones(6)}
+  g = {"w": jnp.full((4, 6), 0.3), "b": jnp.linspace(-1.0, 1.0, 6)}
+
+  def fallback_update(tx):
+    u, _ = tx.update(g, tx.init(params), params)
+    return u["b"]
+
+  adam = lambda lr: optax.adam(lr).update(g["b"], optax.adam(lr).init(g["b"]))[0]  # noqa: E731
+  np.testing.assert_allclose(fallback_update(fo.racs(2e-2)), adam(2e-2), rtol=1e-6)
+  np.testing.assert_allclose(fallback_update(fo.racs(2e-2, fallback_learning_rate=1e-3)),
+                             adam(1e-3), rtol=1e-6)
+  sched = optax.linear_schedule(1e-3, 0.0, 10)
+  np.testing.assert_allclose(fallback_update(fo.muon(2e-2, fallback_learning_rate=sched)),
+                             adam(1e-3), rtol=1e-6)
+  # the structured leaves do not change
+  a, b = fo.racs(2e-2), fo.racs(2e-2, fallback_learning_rate=1e-3)
+  np.testing.assert_array_equal(a.update(g, a.init(params), params)[0]["w"],
+                                b.update(g, b.init(params), params)[0]["w"])
+  with pytest.raises(ValueError, match="not both"):
+    fo.racs(2e-2, fallback=optax.adam(1e-3), fallback_learning_rate=1e-3)
+
+
+def test_kernels_without_dims_on_the_fallback_warn_at_init():
+  params = {"attn": {"kernel": jnp.ones((8, 2, 4)), "bias": jnp.ones((2, 4))},
+            "w": jnp.ones((8, 8))}
+  with pytest.warns(UserWarning, match=r"fo.racs: 1 leaves with more than two dims "
+                    r"\(e.g. 'attn/kernel' of shape \(8, 2, 4\)\).*fallback_learning_rate"):
+    fo.racs(2e-2).init(params)
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fo.racs(2e-2, dims={"attn": {"kernel": fo.MatrixDims(rows=0, cols=(1, 2)), "bias": None},
+                        "w": None}).init(params)                               # routed
+    fo.racs(2e-2, mask={"attn": {"kernel": False, "bias": False}, "w": True}).init(params)
+    fo.racs(2e-2).init({"w": jnp.ones((8, 8)), "scale": jnp.ones((3, 8, 8))})  # by name

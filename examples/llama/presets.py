@@ -34,7 +34,8 @@ LOW_RANK = {"tiny": (32, 10, 100), "small": (64, 20, 200), "60M": (128, 40, 200)
 
 # The paper trains the output layer with Adam for RACS, APOLLO and Adam (its "Ppl*"),
 # and with the structured optimizer for Alice, GaLore and Fira ("Ppl").
-LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "fo_muon", "swan", "racs", "apollo", "apollo_mini"}
+LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "fo_muon", "swan", "racs", "apollo", "apollo_mini",
+                   "normuon", "racs_muon", "muon_racs"}
 
 # Largest side the rotation methods (eigen_adam, soap, shampoo) rotate here. Their reference
 # default (10000) never rotates the vocabulary side of the 32k-50k vocabularies SOAP was
@@ -46,7 +47,20 @@ MAX_PRECOND_DIM = 4096
 
 OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0",
               "alice_soap", "galore",
-              "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo", "per_layer")
+              "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo", "per_layer",
+              "normuon", "racs_muon", "muon_racs")
+
+# Structured whitening: RACS's two-sided scaling composed with Muon's whitening, before it
+# (``racs_muon``: equilibrate the momentum, then whiten) or after it (``muon_racs``:
+# NorMuon's idea on both sides), each with NorMuon's RMS convention. Compositions of
+# public blocks, benchmarked here before either becomes a named optimizer.
+def whitening_composition(name: str, learning_rate, *, beta: float = 0.95,
+                          scale_beta: float = 0.9) -> optax.GradientTransformation:
+  """The structured part (matrices) of ``racs_muon`` or ``muon_racs``."""
+  two_sided = fo.scale_by_two_sided(beta=scale_beta)
+  order = ([two_sided, fo.whiten()] if name == "racs_muon" else [fo.whiten(), two_sided])
+  return optax.chain(fo.scale_by_momentum(beta), *order, fo.scale_to_rms(0.2),
+                     optax.scale_by_learning_rate(learning_rate))
 
 # ``per_layer``: the structure of each matrix chosen from a Fisher report under a memory
 # budget (``fisher_optax.structure_choice``), each structure trained by its named
@@ -74,6 +88,7 @@ def default_lr(preset: str, name: str) -> float:
   return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3,
           "muon": 7e-4 if big else 1e-3, "fo_muon": 7e-4 if big else 1e-3,
           "swan": 7e-4 if big else 1e-3, "racs": 0.02,
+          "normuon": 2e-3, "racs_muon": 2e-3, "muon_racs": 2e-3,
           "alice": 0.02, "alice0": 0.02, "alice_soap": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
           "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03, "per_layer": 1.0}[name]
@@ -139,6 +154,14 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
     kw = dict(interval=10, max_precond_dim=MAX_PRECOND_DIM)
   elif name == "soap":
     kw = dict(max_precond_dim=MAX_PRECOND_DIM)
+  elif name in ("racs_muon", "muon_racs"):
+    from fisher_optax import routing
+    structured = whitening_composition(name, learning_rate, **hparams)
+    return routing.route(structured, mask=mask, dims=None,
+                         fallback=routing.in_float32(optax.adam(learning_rate)),
+                         info=dict(name=name))
+  elif name == "normuon":
+    kw = {}
   elif name in ("fo_muon", "swan"):  # Muon by composition, SWAN: AdamW-RMS updates
     name = "muon" if name == "fo_muon" else name
     kw = dict(consistent_rms=0.2)

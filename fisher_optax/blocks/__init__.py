@@ -16,4 +16,6 @@ from fisher_optax.blocks.random_projection import (RandomProjectState, random_pr
                                                    scale_by_subspace_ratio)
 from fisher_optax.blocks.momentum import ScaleByMomentumState, scale_by_momentum
 from fisher_optax.blocks.normalize import normalize
+from fisher_optax.blocks.row_moments import (ScaleByRowMomentsState, scale_by_row_moments,
+                                             scale_to_rms)
 from fisher_optax.blocks.whiten import scale_by_shape, whiten

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import grouping, linalg, matrices, validation
-from fisher_optax.blocks import limiter as limiter_lib
 from fisher_optax.blocks import subspace
 
 
@@ -136,6 +135,6 @@ def _compensate_arrays(g, u, sigma, coeffs, p, phi, *, method, alpha_c, b1, limi
   c = jnp.where(jnp.isfinite(c), c, 0.0)
   if limiter is not None:
     norm = jnp.sqrt(jnp.sum(jnp.square(c), axis=(-2, -1)))
-    eta, phi = limiter_lib.limit_growth(norm, phi, limiter)
+    eta, phi = linalg.limit_growth(norm, phi, limiter)
     c = c * eta[..., None, None]
   return scale * linalg.matmul(u, coeffs) + alpha_c * c, p_new, phi

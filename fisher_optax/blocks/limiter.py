@@ -21,20 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import grouping, lifting, matrices, validation
-
-
-def limit_growth(norm: jax.Array, phi: jax.Array, threshold) -> tuple[jax.Array, jax.Array]:
-  """Returns ``(eta, new_phi)`` for the current norm and the previous ``phi``.
-
-  A non-finite norm leaves ``phi`` unchanged; with ``phi > 0`` it gives ``eta = 0``
-  for ``inf`` and ``eta = NaN`` for NaN (the bad step stays visible); while ``phi = 0``
-  there is no reference yet and ``eta = 1``.
-  """
-  norm = norm.astype(jnp.float32)
-  safe_phi = jnp.where(phi > 0, phi, 1.0)
-  eta = jnp.where(phi > 0, threshold / jnp.maximum(norm / safe_phi, threshold), 1.0)
-  new_phi = eta * norm
-  return eta, jnp.where(jnp.isfinite(new_phi), new_phi, phi)
+from fisher_optax.linalg import limit_growth  # the rule, shared with compensate
 
 
 class NormGrowthLimiterState(NamedTuple):

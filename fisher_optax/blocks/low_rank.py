@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import grouping, linalg, matrices, validation
+from fisher_optax import grouping, linalg, matrices, rng, validation
 from fisher_optax.blocks import subspace
 from fisher_optax.blocks import switching as switching_lib
 
@@ -197,13 +197,13 @@ class _Tracker:
 
   def noise(self, key, count, gs, us):
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
-    :func:`~fisher_optax.blocks.switching.refresh_noise` draw, matrix ``j`` of the tree
-    (leaves in order, stacks flattened) taking row ``j``."""
+    ``rng.words`` draw (as ``switching.refresh_noise``), matrix ``j`` of the tree (leaves
+    in order, stacks flattened) taking row ``j``."""
     if not gs:  # no matrices (e.g. every leaf routed to the fallback)
       return []
     sizes = [self.policy.noise_size(g.shape[-2], u.shape[-1]) for g, u in zip(gs, us)]
     rows = [g.shape[0] for g in gs]
-    words = switching_lib.refresh_noise(key, count, sum(rows), max(sizes))
+    words = rng.words(key, count, sum(rows), max(max(sizes), 1))
     starts = [sum(rows[:i]) for i in range(len(rows))]
     return [part[:, :max(size, 1)]
             for part, size in zip(grouping.split(words, starts, rows), sizes)]

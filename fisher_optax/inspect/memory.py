@@ -74,10 +74,13 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
                         right_rank: int | None = None) -> tuple[int, int]:
   """``(formula, extra)``: the paper's per-matrix state numbers, and per-matrix scalars.
 
-  ``m, n`` are the matrix sizes in any order (the formulas use ``m <= n``);
+  ``m, n`` are the matrix sizes in any order (the formulas use ``m <= n``), except for
+  ``normuon``, whose per-neuron moment needs them as ``(fan_in, fan_out)``;
   ``rank`` is clipped to ``min(m, n)``; ``right_rank`` (Alice-SOAP's ``k``, default
   ``rank``) to ``n``.
   """
+  if name == "normuon":  # momentum and one second moment per fan-out unit
+    return m * n + n, 0
   m, n = min(m, n), max(m, n)
   r = min(rank, m)
   k = min(rank if right_rank is None else right_rank, n)

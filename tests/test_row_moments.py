@@ -1,0 +1,145 @@
+"""NorMuon's blocks on their own -- ``scale_by_row_moments`` (one second moment per
+neuron) and ``scale_to_rms`` -- and composed: ``fo.normuon``'s properties, and the two
+compositions of RACS's two-sided scaling with whitening (before and after it)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fisher_optax as fo
+
+M, N = 6, 10
+
+
+def _grads(steps, shape=(M, N), seed=0):
+  keys = jax.random.split(jax.random.key(seed), steps)
+  scales = jnp.linspace(0.1, 3.0, shape[-1])  # unequal columns: the scaling matters
+  return [jax.random.normal(k, shape) * scales for k in keys]
+
+
+@pytest.mark.parametrize("unit,axis", [("fan_out", 0), ("fan_in", 1)])
+def test_row_moments_follow_their_equation_over_steps(unit, axis):
+  """``v <- b2 v + (1 - b2) mean(O * O over the other side)``, ``out = O / (sqrt(v) + eps)``
+  in float64 over four steps; the state holds one number per unit."""
+  b2, eps = 0.9, 1e-8
+  tx = fo.scale_by_row_moments(b2=b2, eps=eps, unit=unit)
+  params = {"w": jnp.zeros((M, N))}
+  state = tx.init(params)
+  assert state.nu["w"].shape == ((N,) if unit == "fan_out" else (M,))
+  v = np.zeros(N if unit == "fan_out" else M)
+  for g in _grads(4):
+    out, state = tx.update({"w": g}, state)
+    o = np.asarray(g, np.float64)
+    v = b2 * v + (1 - b2) * np.mean(o ** 2, axis=axis)
+    scale = 1 / (np.sqrt(v) + eps)
+    want = o * (scale[None, :] if axis == 0 else scale[:, None])
+    np.testing.assert_allclose(out["w"], want, rtol=2e-6)
+    np.testing.assert_allclose(state.nu["w"], v, rtol=2e-6)
+
+
+def test_row_moments_with_b2_zero_give_every_unit_the_same_norm():
+  tx = fo.scale_by_row_moments(b2=0.0, eps=0.0)
+  out, _ = tx.update({"w": _grads(1)[0]}, tx.init({"w": jnp.zeros((M, N))}))
+  np.testing.assert_allclose(jnp.linalg.norm(out["w"], axis=0), np.sqrt(M), rtol=1e-5)
+
+
+def test_row_moments_read_the_fan_out_side_of_an_out_in_weight():
+  """With ``dims`` naming an ``(out, in)`` layout, the units are its rows (the same
+  neurons as the columns of the ``(in, out)`` transpose)."""
+  g = _grads(2)
+  a = fo.scale_by_row_moments()
+  b = fo.scale_by_row_moments(dims=fo.MatrixDims(rows=-1, cols=-2))
+  sa, sb = a.init({"w": jnp.zeros((M, N))}), b.init({"w": jnp.zeros((N, M))})
+  for x in g:
+    ua, sa = a.update({"w": x}, sa)
+    ub, sb = b.update({"w": x.T}, sb)
+    np.testing.assert_allclose(ub["w"], ua["w"].T, rtol=1e-6)
+
+
+def test_scale_to_rms():
+  tx = fo.scale_to_rms(0.2)
+  g = {"w": _grads(1)[0], "z": jnp.zeros((3, 4)), "s": jnp.ones((2, 3, 4)) * jnp.arange(2.)[:, None, None]}
+  out, _ = tx.update(g, tx.init(g))
+  np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["w"] ** 2)), 0.2, rtol=1e-6)
+  np.testing.assert_array_equal(out["z"], 0.0)                          # zero stays zero
+  np.testing.assert_array_equal(out["s"][0], 0.0)                       # per matrix of a stack
+  np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["s"][1] ** 2)), 0.2, rtol=1e-6)
+  bad, _ = tx.update({"w": g["w"].at[0, 0].set(jnp.nan)}, None)
+  assert jnp.isnan(bad["w"]).all()                                       # visible
+  with pytest.raises(ValueError, match="rms"):
+    fo.scale_to_rms(0.0)
+
+
+def test_normuon_update_rms_and_equal_neurons_with_b2_zero():
+  """The update's RMS is ``0.2 * lr`` on every matrix; with ``b2 = 0`` every output unit
+  (fan-out column of an ``(in, out)`` kernel) gets the same norm."""
+  lr = 0.03
+  params = {"w": jnp.zeros((M, N)), "tall": jnp.zeros((N, M))}
+  tx = fo.normuon(lr, b2=0.0, eps=0.0)
+  state = tx.init(params)
+  for t, g in enumerate(_grads(3)):
+    u, state = tx.update({"w": g, "tall": g.T * 2.0}, state, params)
+    for k in ("w", "tall"):
+      np.testing.assert_allclose(jnp.sqrt(jnp.mean(u[k] ** 2)), 0.2 * lr, rtol=1e-5)
+      norms = jnp.linalg.norm(u[k], axis=0)
+      np.testing.assert_allclose(norms, norms[0], rtol=1e-4)
+  # with b2 > 0 the neurons' norms differ (the EMA lags the current update)
+  tx = fo.normuon(lr)
+  state = tx.init(params)
+  for g in _grads(3):
+    u, state = tx.update({"w": g, "tall": g.T}, state, params)
+  norms = jnp.linalg.norm(u["w"], axis=0)
+  assert float(jnp.max(norms) / jnp.min(norms)) > 1.01
+
+
+def test_normuon_state_in_describe_and_memory():
+  params = {"w": jnp.zeros((16, 40)), "b": jnp.zeros(40)}
+  desc = fo.describe(fo.normuon(1e-2), params)
+  row = {r.path: r for r in desc.rows}["w"]
+  formula, _ = fo.paper_state_numbers("normuon", 16, 40)
+  assert row.rule == "normuon" and row.state_numbers == formula == 16 * 40 + 40
+
+
+def _racs_then_whiten(lr):
+  return optax.chain(fo.scale_by_momentum(0.95), fo.scale_by_two_sided(beta=0.9),
+                     fo.whiten(), fo.scale_to_rms(0.2), optax.scale_by_learning_rate(lr))
+
+
+def _whiten_then_racs(lr):
+  return optax.chain(fo.scale_by_momentum(0.95), fo.whiten(),
+                     fo.scale_by_two_sided(beta=0.9), fo.scale_to_rms(0.2),
+                     optax.scale_by_learning_rate(lr))
+
+
+@pytest.mark.parametrize("make", [_racs_then_whiten, _whiten_then_racs])
+def test_two_sided_scaling_composed_with_whitening(make):
+  """The compositions of the docs' "compose your own" section: each matrix update has
+  RMS ``0.2 * lr``; the two-sided scaling after whitening equilibrates the whitened
+  update's rows and columns (RACS's fixed point of ``O * O``), before whitening those of
+  the momentum. State: the momentum and ``m + n`` scales per matrix."""
+  lr = 0.01
+  params = {"w": jnp.zeros((M, N))}
+  tx = make(lr)
+  state = tx.init(params)
+  assert fo.state_numbers(state) == M * N + M + N + 1  # + the momentum's counter
+  for g in _grads(3):
+    u, state = jax.jit(tx.update)({"w": g}, state, params)
+  np.testing.assert_allclose(jnp.sqrt(jnp.mean(u["w"] ** 2)), 0.2 * lr, rtol=1e-5)
+  assert not np.allclose(u["w"], fo.normuon(lr).update({"w": g}, fo.normuon(lr).init(params),
+                                                        params)[0]["w"])
+
+
+def test_normuon_is_its_chain_of_blocks_on_matrices():
+  lr = 0.01
+  params = {"w": jnp.zeros((M, N))}
+  chain = optax.chain(fo.scale_by_momentum(0.95), fo.whiten(),
+                      fo.scale_by_row_moments(b2=0.95), fo.scale_to_rms(0.2),
+                      optax.scale_by_learning_rate(lr))
+  named = fo.normuon(lr, stack_matrices=False)
+  sc, sn = chain.init(params), named.init(params)
+  for g in _grads(4):
+    uc, sc = chain.update({"w": g}, sc, params)
+    un, sn = named.update({"w": g}, sn, params)
+    np.testing.assert_array_equal(uc["w"], un["w"])
