@@ -14,7 +14,8 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import fim, matrices
+from fisher_optax import matrices
+from fisher_optax.fisher import fim
 from tests.util import run_opt as _run
 
 M = 6

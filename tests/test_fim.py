@@ -1,4 +1,4 @@
-"""The paper's propositions as executable checks (fisher_optax.fim), and consistency of the
+"""The paper's propositions as executable checks (fisher_optax.fisher.fim), and consistency of the
 FIM directions with the optimizers' preconditioned directions."""
 
 import jax
@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import fim
+from fisher_optax.fisher import fim
 
 M, N = 4, 6
 

@@ -1,4 +1,4 @@
-"""fisher_optax.fisher_report on a small model: it routes as the optimizers do and its
+"""fisher_optax.fisher.fisher_report on a small model: it routes as the optimizers do and its
 numbers are structure_errors of the per-batch gradients."""
 
 import jax
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import fisher_report as fr
-from fisher_optax import structure_errors as se
+from fisher_optax.fisher import fisher_report as fr
+from fisher_optax.fisher import structure_errors as se
 
 
 def _model():

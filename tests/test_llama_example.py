@@ -162,7 +162,7 @@ def test_per_layer_preset_follows_the_tiny_report():
   import optax
   from flax import nnx
   import fisher_optax as fo
-  from fisher_optax import fisher_report, structure_choice
+  from fisher_optax.fisher import fisher_report, structure_choice
   from examples.llama.model import Llama
   params = nnx.to_pure_dict(nnx.state(Llama(presets.model_config("tiny"), nnx.Rngs(0)),
                                       nnx.Param))

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
-from fisher_optax import fisher_report as fr
-from fisher_optax import structure_choice as sc
+from fisher_optax.fisher import fisher_report as fr
+from fisher_optax.fisher import structure_choice as sc
 
 SHAPES = {"a": (8, 24), "b": (16, 16), "c": (24, 8), "d": (12, 20), "emb": (30, 8),
           "bias": (16,)}

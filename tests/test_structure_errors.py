@@ -1,11 +1,11 @@
-"""fisher_optax.structure_errors against the dense fisher_optax.fim on small layers: every
+"""fisher_optax.fisher.structure_errors against the dense fisher_optax.fisher.fim on small layers: every
 structure's error without forming F equals the dense one to 1e-8 relative (float64)."""
 
 import numpy as np
 import pytest
 
-from fisher_optax import fim
-from fisher_optax import structure_errors as se
+from fisher_optax.fisher import fim
+from fisher_optax.fisher import structure_errors as se
 
 SHAPES = [(6, 9), (7, 7), (4, 12)]
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import fim
+from fisher_optax.fisher import fim
 
 
 def _apply(tx, g, params=None):

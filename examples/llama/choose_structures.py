@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # `python examples/llama/choose_structures.py`
 
 from flax import nnx
 
-from fisher_optax import fisher_report, structure_choice
+from fisher_optax.fisher import fisher_report, structure_choice
 from examples.llama import presets
 from examples.llama.model import Llama
 

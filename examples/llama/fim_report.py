@@ -9,7 +9,7 @@ rate schedule over ``max(at_steps)`` steps) and, at each step of ``--at-steps``,
 ``--samples`` micro-batch gradients of ``--micro-batch`` sequences (fixed windows of the
 training stream, the same at every step) and reports, for every matrix the named
 optimizers route (embeddings excluded), each structure's relative distance to the
-empirical Fisher (``fisher_optax.fisher_report``). Writes ``OUT/step_T.md``,
+empirical Fisher (``fisher_optax.fisher.fisher_report``). Writes ``OUT/step_T.md``,
 ``OUT/step_T.csv`` and ``OUT/step_T.png`` (heat map) per step, and ``OUT/summary.md``:
 the lowest-error structure per matrix at each step, and each structure's mean error over
 attention and MLP matrices.
@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 import fisher_optax as fo
-from fisher_optax import fisher_report, structure_errors
+from fisher_optax.fisher import fisher_report, structure_errors
 from examples.llama import data as data_lib
 from examples.llama import train
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 import fisher_optax as fo
-from fisher_optax import fisher_report, structure_choice
+from fisher_optax.fisher import fisher_report, structure_choice
 from examples.llama.model import LlamaConfig
 
 MODELS = {
@@ -63,7 +63,7 @@ def whitening_composition(name: str, learning_rate, *, beta: float = 0.95,
                      optax.scale_by_learning_rate(learning_rate))
 
 # ``per_layer``: the structure of each matrix chosen from a Fisher report under a memory
-# budget (``fisher_optax.structure_choice``), each structure trained by its named
+# budget (``fisher_optax.fisher.structure_choice``), each structure trained by its named
 # optimizer at that optimizer's tuned learning rate (the convergence harness's sweep on
 # the preset) times one common factor, the ``learning_rate`` given (swept like any
 # other optimizer's, around 1). Leaves outside the report (embeddings, norms) get AdamW.

@@ -4,7 +4,7 @@ forming the Fisher.
 For an ``m x n`` layer and gradient samples ``G_1..G_N`` (e.g. micro-batch gradients),
 ``F = (1/N) sum_k vec(G_k) vec(G_k)^T`` is ``mn x mn``: 17 TB in float64 for a
 512 x 2048 layer. Every structure's optimum ``F~`` (paper Sec. 3-5, the same members as
-``fisher_optax.fim``) and its error ``||F~ - F||_F`` follow from products with the
+``fisher_optax.fisher.fim``) and its error ``||F~ - F||_F`` follow from products with the
 samples alone, through
 
 .. math::
@@ -46,7 +46,7 @@ statistics (``m^2``, ``n^2``) and one rotated copy of the samples (``N mn``) for
 rotated structures; the Kronecker optimum of a wide layer takes the route through the
 smaller side's ``Nd x Nd`` Gram matrix (two copies, at most 2 GiB each). Everything runs
 in float64 numpy by default (``dtype=``); tests check
-every structure against the dense ``fisher_optax.fim`` to 1e-8 relative.
+every structure against the dense ``fisher_optax.fisher.fim`` to 1e-8 relative.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from fisher_optax import fim
+from fisher_optax.fisher import fim
 
 STRUCTURES = ("diagonal", "whitening", "normalization", "two_sided", "general", "kronecker",
               "shampoo", "eigen_adam", "soap", "alice", "alice_no_comp")
@@ -153,12 +153,12 @@ class LayerSamples:
   def left_eigh(self) -> tuple:
     """``eigh(E[G G^T])``: eigenvalues ascending and eigenvectors, shared by the
     structures that rotate or take powers of the left side."""
-    return self._get("left_eigh", lambda: fim._eigh_sym(self.left))
+    return self._get("left_eigh", lambda: fim.eigh_sym(self.left))
 
   @property
   def right_eigh(self) -> tuple:
     """``eigh(E[G^T G])``, as :attr:`left_eigh`."""
-    return self._get("right_eigh", lambda: fim._eigh_sym(self.right))
+    return self._get("right_eigh", lambda: fim.eigh_sym(self.right))
 
   def eigvecs_desc(self, side: str) -> np.ndarray:
     """The eigenvectors of ``E[G G^T]`` (``side="left"``) or ``E[G^T G]`` (``"right"``),
@@ -347,8 +347,8 @@ def shampoo(s: LayerSamples) -> StructureError:
   """Shampoo's ``R^1/2 (x) L^1/2``, ``R = E[G^T G] / m``, ``L = E[G G^T] / n`` (the
   minimiser of an upper bound, Thm. "Shampoo pre-conditioner"):
   ``||F~||^2 = tr(R) tr(L)``, ``<F~, F> = tr(L^1/2 E[G R^1/2 G^T])``."""
-  r_half = fim._psd_power_of(*s.right_eigh, 0.5) / np.sqrt(s.m)
-  l_half = fim._psd_power_of(*s.left_eigh, 0.5) / np.sqrt(s.n)
+  r_half = fim.psd_power_of(*s.right_eigh, 0.5) / np.sqrt(s.m)
+  l_half = fim.psd_power_of(*s.left_eigh, 0.5) / np.sqrt(s.n)
   cat = np.moveaxis(s.g, 0, 1).reshape(s.m, -1)
   grg = np.moveaxis(s.g @ r_half, 0, 1).reshape(s.m, -1) @ cat.T / s.n_samples
   cross = float(np.sum(l_half * grg))

@@ -1,5 +1,5 @@
 """A per-layer Fisher-structure report of a model: for every matrix a named optimizer
-would route, how close each structure of :mod:`fisher_optax.structure_errors` comes to
+would route, how close each structure of :mod:`fisher_optax.fisher.structure_errors` comes to
 that layer's empirical Fisher, and at what memory.
 
 ``fisher_report(loss_fn, params, batches, rank=...)`` takes one gradient sample per batch
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from fisher_optax import matrices, routing
-from fisher_optax import structure_errors as se
+from fisher_optax.fisher import structure_errors as se
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,16 +72,17 @@ def empirical_fim(samples) -> Array:
 def _psd_power(a: Array, p: float, rtol: float = 1e-10) -> Array:
   """``a^p`` for a symmetric PSD matrix; eigenvalues below ``rtol * max`` are treated as 0
   (pseudo-inverse for negative ``p``)."""
-  return _psd_power_of(*_eigh_sym(a), p, rtol)
+  return psd_power_of(*eigh_sym(a), p, rtol)
 
 
-def _eigh_sym(a: Array) -> tuple:
+def eigh_sym(a: Array) -> tuple:
   """``eigh`` of the symmetric part of ``a`` (eigenvalues ascending, eigenvectors)."""
   return np.linalg.eigh(0.5 * (a + a.T))
 
 
-def _psd_power_of(w: Array, v: Array, p: float, rtol: float = 1e-10) -> Array:
-  """:func:`_psd_power` from an eigendecomposition ``(w, v)``."""
+def psd_power_of(w: Array, v: Array, p: float, rtol: float = 1e-10) -> Array:
+  """``a^p`` of a symmetric PSD matrix from its eigendecomposition ``(w, v)``;
+  eigenvalues below ``rtol * max`` count as 0 (shared with ``structure_errors``)."""
   keep = w > rtol * max(w.max(), 0.0) if w.size else w > 0
   wp = np.zeros_like(w)
   wp[keep] = w[keep] ** p
@@ -89,7 +90,7 @@ def _psd_power_of(w: Array, v: Array, p: float, rtol: float = 1e-10) -> Array:
 
 
 def _eig_desc(a: Array) -> Array:
-  return _eigh_sym(a)[1][:, ::-1]
+  return eigh_sym(a)[1][:, ::-1]
 
 
 def blockdiag(blocks: Sequence[Array]) -> Array:

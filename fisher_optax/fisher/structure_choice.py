@@ -2,7 +2,7 @@ r"""A structure chosen per layer: the paper's design rule applied matrix by matr
 
 The paper derives each optimizer from a structure ``F~`` that approximates the Fisher
 ``F`` (arXiv:2502.07752, Sec. 3); which structure is closest differs between layers and
-over training (see :func:`fisher_optax.fisher_report.fisher_report`). Given a report and a
+over training (see :func:`fisher_optax.fisher.fisher_report.fisher_report`). Given a report and a
 memory budget, :func:`choose_structures` picks for every reported matrix leaf ``l`` one
 structure ``s_l`` among those that have an optimizer, solving
 
@@ -41,7 +41,7 @@ import optax
 
 from fisher_optax import routing, stacking
 from fisher_optax.inspect import memory
-from fisher_optax.fisher_report import FisherReport
+from fisher_optax.fisher.fisher_report import FisherReport
 
 FALLBACK = "fallback"
 
@@ -123,7 +123,7 @@ def choose_structures(report: FisherReport,
   """Per reported leaf, the structure of lowest error whose optimizer fits the budget.
 
   Args:
-    report: a :class:`~fisher_optax.fisher_report.FisherReport` of ``params``' model.
+    report: a :class:`~fisher_optax.fisher.fisher_report.FisherReport` of ``params``' model.
     optimizers: ``{structure name: the optimizer used for it}``, e.g.
       ``{"diagonal": optax.adam(lr), "two_sided": fo.racs(lr), "soap": fo.soap(lr)}``;
       only these structures are candidates. Each optimizer's state per leaf is measured
