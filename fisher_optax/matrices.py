@@ -99,6 +99,21 @@ class DimsRule(abc.ABC):
 DimsSpec = Union[None, MatrixDims, DimsRule, Any, Callable[[Any], Any]]
 
 
+def path_to_str(path: Sequence[Any]) -> str:
+  """``('layers', 0, 'attn', 'kernel')``-like key path -> ``'layers/0/attn/kernel'``."""
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+      continue  # the array inside a Flax ``Variable`` (nnx.State leaves)
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
 class ModelDims(DimsRule):
   """A ``dims=`` rule read from a model: a table ``{"/"-joined parameter path: dims}``
   (built by :func:`~fisher_optax.flax_dims`, :func:`~fisher_optax.linen_dims` or
@@ -129,7 +144,6 @@ class ModelDims(DimsRule):
 
   def resolve(self, tree: Any) -> Any:
     """The dims of every leaf of ``tree`` (a ``ValueError`` names an unknown leaf)."""
-    from fisher_optax.routing import path_to_str  # routing imports this module
     return jax.tree_util.tree_map_with_path(lambda p, _: self.lookup(path_to_str(p)), tree)
 
   @property
@@ -374,7 +388,6 @@ def check_prefix(given: Any, tree: Any, what: str, is_leaf: Optional[Callable] =
     return
   except (ValueError, TypeError, KeyError):
     pass
-  from fisher_optax.routing import path_to_str  # routing imports this module
   entries = [path_to_str(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(given, is_leaf=is_leaf)[0]]
   leaves = [path_to_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]

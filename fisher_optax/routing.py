@@ -22,7 +22,7 @@ import optax
 
 from fisher_optax.lifting import cast_like
 from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, check_prefix,
-                                   is_matrix_shape, normalize_axes, resolve_dims)
+                                   is_matrix_shape, normalize_axes, path_to_str, resolve_dims)
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).
@@ -30,21 +30,6 @@ VECTOR_NAMES = ("bias", "scale", "gamma", "beta", "offset")
 
 
 # ----------------------------------------------------------------------------- masks
-
-
-def path_to_str(path: Sequence[Any]) -> str:
-  """``('layers', 0, 'attn', 'kernel')``-like key path -> ``'layers/0/attn/kernel'``."""
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
-      continue  # the array inside a Flax ``Variable`` (nnx.State leaves)
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
 
 
 _VECTOR_RE = re.compile(r"(^|[^a-z0-9])(" + "|".join(VECTOR_NAMES) + r")$")
