@@ -143,3 +143,24 @@ def test_normuon_is_its_chain_of_blocks_on_matrices():
     uc, sc = chain.update({"w": g}, sc, params)
     un, sn = named.update({"w": g}, sn, params)
     np.testing.assert_array_equal(uc["w"], un["w"])
+
+
+def test_normuon_state_on_the_llama_example_matches_its_formula():
+  """``benchmarks/memory.py``'s trees: on the example LLaMA (``tiny``), every matrix
+  NorMuon receives holds ``fan_in * fan_out + fan_out`` numbers, as ``describe`` and
+  ``paper_state_numbers`` say; the state total adds the fallback's Adam."""
+  from flax import nnx
+  from examples.llama import presets
+  from examples.llama.model import Llama
+  cfg = presets.model_config("tiny")
+  params = nnx.state(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))), nnx.Param)
+  tx = presets.make_optimizer("normuon", "tiny", 1e-3)
+  rows = fo.describe(tx, params).rows
+  routed = [r for r in rows if r.rule == "normuon"]
+  assert routed and all("embed" not in r.path and "lm_head" not in r.path for r in routed)
+  for r in routed:
+    fan_in, fan_out = (int(x) for x in r.view.split(" x ")[-2:])
+    batch = int(np.prod([int(x) for x in r.view.split(" x ")[:-2]] or [1]))
+    assert r.state_numbers == batch * fo.paper_state_numbers("normuon", fan_in, fan_out)[0]
+  state = jax.eval_shape(tx.init, params)
+  assert fo.state_numbers(state) == sum(r.state_numbers for r in rows) + 2  # two counters
