@@ -168,3 +168,18 @@ def test_device_check_smoke_writes_every_part(tmp_path):
   text = md.read_text()
   for heading in ("Test suite", "Update step", "Training step", "Matmul precision"):
     assert heading in text
+
+
+@pytest.mark.example
+def test_fallback_lr_benchmark_runs_and_writes_its_table(tmp_path):
+  """``benchmarks/fallback_lr.py`` on both models for a few steps: every configuration
+  named here runs, and the table has one row per configuration, one column per model."""
+  table = tmp_path / "table.md"
+  out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fallback_lr.py"),
+                        "--models", "linen,equinox", "--steps", "3", "--seeds", "0",
+                        "--configs", "adam 1e-3;racs 2e-2, no dims;racs 2e-2, dims",
+                        "--json", str(tmp_path / "r.json"), "--table", str(table)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = table.read_text().splitlines()
+  assert lines[0] == "| optimizer | linen | equinox |" and len(lines) == 2 + 3
