@@ -306,7 +306,8 @@ def _warn_unrouted(params: Any, name: str) -> None:
   if kernels:
     path, shape = kernels[0]
     warnings.warn(
-        f"fo.{name}: {len(kernels)} leaves with more than two dims (e.g. {path!r} of shape "
+        f"fo.{name}: {len(kernels)} {'leaf' if len(kernels) == 1 else 'leaves'} with more "
+        f"than two dims (e.g. {path!r} of shape "
         f"{shape}) go to the fallback, since no dims= says which of their axes form the "
         "matrix (a layer stack, an attention and a conv kernel look alike). Route them "
         "with dims=fo.flax_dims(model) (NNX), fo.linen_dims(module, x) (Linen), "

@@ -444,6 +444,42 @@ class NorMuonRef:
     return -k["lr"] * o
 
 
+class WhiteningCompositionRef(NorMuonRef):
+  """RACS's two-sided scaling (paper Alg. "RACS" l.5-8: EMA ``beta`` of the fixed point
+  of ``X * X``, floors ``eps * max``) composed with Muon's whitening, on the momentum
+  before whitening (``order="before"``) or on the whitened update after it
+  (``"after"``); then RMS ``0.2 * lr``. The momentum and Newton--Schulz are
+  :class:`NorMuonRef`'s."""
+
+  def __init__(self, m, n, *, lr, order, beta=0.95, scale_beta=0.9, iters=5, eps=1e-8,
+               rms=0.2):
+    super().__init__(m, n, lr=lr, beta=beta, rms=rms)
+    self.s, self.q = np.zeros(n), np.zeros(m)
+    self.order, self.scale_kw = order, dict(beta=scale_beta, iters=iters, eps=eps)
+
+  def two_sided(self, x):
+    k = self.scale_kw
+    p = x * x
+    q = np.ones(x.shape[0])
+    for _ in range(k["iters"]):
+      s = p.T @ q / (q @ q)
+      q = p @ s / (s @ s)
+    self.s = k["beta"] * self.s + (1 - k["beta"]) * s
+    self.q = k["beta"] * self.q + (1 - k["beta"]) * q
+    ss = np.maximum(self.s, k["eps"] * self.s.max())
+    qq = np.maximum(self.q, k["eps"] * self.q.max())
+    return x / np.sqrt(qq)[:, None] / np.sqrt(ss)[None, :]
+
+  def step(self, g, pick=None):
+    k = self.kw
+    self.t += 1
+    beta = k["beta"]
+    self.M = beta * self.M + (1 - beta) * g
+    x = (beta * self.M / (1 - beta ** (self.t + 1)) + (1 - beta) * g / (1 - beta ** self.t))
+    o = self.ns(self.two_sided(x)) if self.order == "before" else self.two_sided(self.ns(x))
+    return -k["lr"] * k["rms"] * np.sqrt(o.size) * o / np.linalg.norm(o)
+
+
 _make_base = make
 
 

@@ -403,7 +403,7 @@ def test_fallback_learning_rate_sets_the_default_fallbacks_rate():
 def test_kernels_without_dims_on_the_fallback_warn_at_init():
   params = {"attn": {"kernel": jnp.ones((8, 2, 4)), "bias": jnp.ones((2, 4))},
             "w": jnp.ones((8, 8))}
-  with pytest.warns(UserWarning, match=r"fo.racs: 1 leaves with more than two dims "
+  with pytest.warns(UserWarning, match=r"fo.racs: 1 leaf with more than two dims "
                     r"\(e.g. 'attn/kernel' of shape \(8, 2, 4\)\).*fallback_learning_rate"):
     fo.racs(2e-2).init(params)
   import warnings

@@ -113,6 +113,26 @@ def _whiten_then_racs(lr):
                      optax.scale_by_learning_rate(lr))
 
 
+@pytest.mark.parametrize("shape", [(M, N), (N, M)], ids=str)
+@pytest.mark.parametrize("make,order", [(_racs_then_whiten, "before"),
+                                        (_whiten_then_racs, "after")])
+def test_compositions_match_dense_float64_re_derivations(make, order, shape):
+  """Six steps of each composition against :class:`tests.reference.WhiteningCompositionRef`
+  (float64: the momentum, RACS's fixed point and EMA, Newton--Schulz on the smaller side,
+  the RMS), on a wide and a tall matrix."""
+  from tests import reference
+  lr = 0.01
+  tx = make(lr)
+  params = {"w": jnp.zeros(shape)}
+  state = tx.init(params)
+  ref = reference.WhiteningCompositionRef(*shape, lr=lr, order=order)
+  for t, g in enumerate(_grads(6, shape, seed=4), start=1):
+    u, state = jax.jit(tx.update)({"w": g}, state, params)
+    want = ref.step(np.asarray(g, np.float64))
+    err = np.linalg.norm(np.asarray(u["w"], np.float64) - want) / np.linalg.norm(want)
+    assert err < 1e-4, f"{order} step {t}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("make", [_racs_then_whiten, _whiten_then_racs])
 def test_two_sided_scaling_composed_with_whitening(make):
   """The compositions of the docs' "compose your own" section: each matrix update has
@@ -164,3 +184,40 @@ def test_normuon_state_on_the_llama_example_matches_its_formula():
     assert r.state_numbers == batch * fo.paper_state_numbers("normuon", fan_in, fan_out)[0]
   state = jax.eval_shape(tx.init, params)
   assert fo.state_numbers(state) == sum(r.state_numbers for r in rows) + 2  # two counters
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1e30])
+def test_scale_to_rms_is_scale_free_and_keeps_zero(scale):
+  """Entries of 1e-30 or 1e30 neither underflow nor overflow in the norm: the RMS is
+  still ``rms``; an all-zero matrix stays zero."""
+  tx = fo.scale_to_rms(0.2)
+  g = {"w": _grads(1)[0] * scale}
+  out, _ = tx.update(g, tx.init(g))
+  want = 0.0 if scale == 0 else 0.2
+  np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["w"] ** 2)), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_new_blocks_on_bad_inputs_and_odd_shapes(dtype):
+  """Zero and NaN entries, bfloat16, a 1 x n matrix and a stack: outputs keep the input
+  dtype, zeros stay zero, a NaN entry stays visible in its matrix; the new block's own
+  state stays finite (NorMuon's momentum, like Muon's and Adam's, takes the NaN in:
+  ``optax.apply_if_finite`` skips such a step, ``tests/test_robustness.py``)."""
+  for tx in (fo.scale_by_row_moments(), fo.scale_to_rms(0.2),
+             fo.normuon(1e-2, dims=fo.MatrixDims())):
+    params = {"w": jnp.zeros((4, 6), dtype), "row": jnp.zeros((1, 6), dtype),
+              "stack": jnp.zeros((2, 3, 5), dtype)}
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    out, state = tx.update(zeros, state, params)
+    for k in params:
+      assert out[k].dtype == dtype
+      np.testing.assert_array_equal(out[k], 0.0)
+    bad = {"w": jnp.ones((4, 6), dtype).at[1, 2].set(jnp.nan),
+           "row": jnp.ones((1, 6), dtype).at[0, 0].set(jnp.nan),
+           "stack": jnp.ones((2, 3, 5), dtype)}
+    out, state = tx.update(bad, state, params)
+    assert jnp.isnan(out["w"]).any() and jnp.isnan(out["row"]).any()
+    assert jnp.isfinite(out["stack"]).all()
+    if isinstance(state, fo.ScaleByRowMomentsState):
+      assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state))

@@ -25,8 +25,8 @@ A column (row) whose statistic is zero gives zero there; ``eps`` is added to the
 (standard deviation). Centering a constant row leaves float32 rounding noise of about
 ``1e-7 max|G|`` where the exact result is zero, and that noise depends on the order of
 the summation; a row whose standard deviation is below ``1e-6 max|G|`` is therefore
-taken as constant and gives exactly zero, not its rounding noise scaled to unit RMS. Float32 inside, the parameter dtype outside; non-finite entries
-stay visible. No state.
+taken as constant and gives exactly zero, not its rounding noise scaled to unit RMS.
+Float32 inside, the parameter dtype outside; non-finite entries stay visible. No state.
 """
 
 from __future__ import annotations

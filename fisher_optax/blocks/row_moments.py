@@ -13,7 +13,9 @@ This is the diagonal structure ``F ~ diag(v) (x) I_m`` of the paper's framework
 (Sec. 3.3, "normalization": one diagonal scale per column) estimated by an EMA, applied
 here to an already whitened update. State per matrix: ``n`` numbers (``m`` with
 ``unit="fan_in"``), float32, no bias correction (as NorMuon; a common factor, which the
-following :func:`scale_to_rms` removes).
+following :func:`scale_to_rms` removes). Like Adam's second moment, ``eps`` is absolute:
+the block expects updates of moderate scale, such as the whitened ones NorMuon feeds it
+(a non-finite mean square leaves ``v`` unchanged and the entry visible).
 
 ``scale_to_rms`` rescales each matrix to a fixed RMS::
 
@@ -110,10 +112,14 @@ def scale_to_rms(rms: float = 0.2, *, dims: matrices.DimsSpec = None
   def per_matrix(x, view):
     del view
     x = x.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(jnp.square(x)))
+    # scale-free: divided by max|X| first, so that 1e-30 or 1e30 entries neither
+    # underflow nor overflow in the squares
+    c = jnp.max(jnp.abs(x))
+    y = x / jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y)))
     size = float(x.shape[-1] * x.shape[-2]) ** 0.5
-    # a zero matrix stays zero; a non-finite one stays visible (NaN norm)
-    return x * jnp.where(norm == 0, 0.0, rms * size / jnp.where(norm == 0, 1.0, norm))
+    # a zero matrix stays zero; a non-finite one stays visible (NaN or inf entries)
+    return y * jnp.where(norm == 0, 0.0, rms * size / jnp.where(norm == 0, 1.0, norm))
 
   def update_fn(updates, state, params=None):
     del params
