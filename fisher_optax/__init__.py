@@ -14,15 +14,13 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  RotateState, ScaleByBiasCorrectionState, ScaleByMomentsState,
                                  ScaleByMomentumState, ScaleByRowMomentsState,
                                  ScaleByTwoSidedState, Subspace,
-                                 SubspaceGuard, SubspaceRefresh, SvdRefresh, Switch,
-                                 compensate, in_subspace,
+                                 SubspaceGuard, compensate, in_subspace,
                                  low_rank_track, norm_growth_limiter, normalize,
                                  on_coefficients, project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_moments,
                                  scale_by_momentum, scale_by_row_moments, scale_by_shape,
                                  scale_by_subspace_ratio, scale_to_rms,
-                                 scale_by_two_sided, subspace_refresh, svd_refresh, switch,
-                                 whiten)
+                                 scale_by_two_sided, whiten)
 from fisher_optax.equinox_dims import EquinoxDims, equinox_dims
 from fisher_optax.flax_dims import FlaxDims, flax_dims, linen_dims
 from fisher_optax.inspect.describe import Description, describe
@@ -31,6 +29,8 @@ from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, MatrixDims, ModelDims
                                    einsum_dims)
 from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
+from fisher_optax.refresh import (SubspaceRefresh, SvdRefresh, Switch, subspace_refresh,
+                                  svd_refresh, switch)
 from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
 
 __all__ = [

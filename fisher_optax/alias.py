@@ -24,11 +24,11 @@ from fisher_optax.parallel import explicit_axes
 from fisher_optax.blocks import (compensate, low_rank_track, norm_growth_limiter,
                                  project_back, random_project, rotate,
                                  scale_by_bias_correction, scale_by_subspace_ratio,
-                                 scale_by_moments, scale_by_two_sided, subspace_refresh,
-                                 svd_refresh, switch)
+                                 scale_by_moments, scale_by_two_sided)
 from fisher_optax.blocks import normalize, scale_by_momentum, scale_by_shape, whiten
 from fisher_optax.blocks import scale_by_row_moments, scale_to_rms
-from fisher_optax.blocks.switching import SubspaceRefresh, SvdRefresh
+from fisher_optax.refresh import (SubspaceRefresh, SvdRefresh, subspace_refresh, svd_refresh,
+                                  switch)
 from fisher_optax.blocks.whiten import MUON_COEFFS
 
 

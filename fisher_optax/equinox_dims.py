@@ -133,5 +133,5 @@ def equinox_dims(model: Any, *, overrides: Optional[dict] = None) -> EquinoxDims
     if not eqx.is_array(x):
       continue
     module, name = _owner(model, path, eqx.Module)
-    table[routing.path_to_str(path)] = _leaf_dims(eqx, module, name, path, len(x.shape))
+    table[matrices.path_to_str(path)] = _leaf_dims(eqx, module, name, path, len(x.shape))
   return EquinoxDims(matrices.apply_overrides(table, overrides, "fo.equinox_dims"))

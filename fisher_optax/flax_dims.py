@@ -223,11 +223,11 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
   nnx = _import_flax("nnx")
   if not isinstance(model, nnx.Module):
     raise TypeError(_not_nnx(model))
-  owners = {routing.path_to_str(path): module for path, module in nnx.iter_graph(model)
+  owners = {matrices.path_to_str(path): module for path, module in nnx.iter_graph(model)
             if isinstance(module, nnx.Module)}
   table = {}
   for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-    key = routing.path_to_str(path)
+    key = matrices.path_to_str(path)
     module = _owner(owners, key)
     ndim = len(getattr(x, "shape", ()))
     d = _layer_dims(nnx, module, key.split("/")[-1], ndim) if module is not None else None
@@ -276,7 +276,7 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
   params = variables.get("params", {})
   table = {}
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    key = routing.path_to_str(path)
+    key = matrices.path_to_str(path)
     owner = _owner(owners, key)
     ndim = len(x.shape)
     d = _layer_dims(nn, owner, key.split("/")[-1], ndim) if owner is not None else None

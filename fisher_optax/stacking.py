@@ -59,7 +59,7 @@ def group_name(path: Any, view: matrices.MatrixView) -> str:
   identical shapes, so XLA shares their kernels, while one big stack of all same-size
   matrices (``q``, ``k``, ``v``, ``o`` together) would cut each member at its own offset.
   Any grouping gives the same per-matrix updates."""
-  return re.sub(r"\d+", "*", routing.path_to_str(path)) + f" {view.fan_in}x{view.fan_out}"
+  return re.sub(r"\d+", "*", matrices.path_to_str(path)) + f" {view.fan_in}x{view.fan_out}"
 
 
 def plan(tree: Any, dims: matrices.DimsSpec) -> StackPlan:
@@ -160,7 +160,7 @@ def add_stacked_state(counts: list, rec: Any, paths: list, *, nbytes: bool = Fal
   member leaves: ``counts[i]`` belongs to the parameter path ``paths[i]``; ``rec`` is the
   :class:`~fisher_optax.routing.RoutedInit` of the optimizer's ``init``."""
   stacks = stacks_of(rec.params, rec.labels, rec.routed.dims)
-  inner_paths = [routing.path_to_str(p)
+  inner_paths = [matrices.path_to_str(p)
                  for p, _ in jax.tree_util.tree_flatten_with_path(rec.params)[0]]
   outer = {p: i for i, p in enumerate(paths)}
   for i, numbers in state_numbers_by_member(rec.state, stacks, nbytes=nbytes).items():

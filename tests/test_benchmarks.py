@@ -96,7 +96,7 @@ def test_step_time_stacked_tree_routes_layer_stacks():
   mask = fo.default_mask(params, dims)
   for x in jax.tree_util.tree_leaves(params["layers"]):
     assert x.shape[0] == 3
-  routed = {fo.routing.path_to_str(k): v
+  routed = {fo.matrices.path_to_str(k): v
             for k, v in jax.tree_util.tree_leaves_with_path(mask["layers"])}
   assert routed["attn/q_proj/kernel"] and routed["mlp/down_proj/kernel"]
   assert not routed["attn_norm/weight"] and not routed["mlp_norm/weight"]

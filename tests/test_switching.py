@@ -105,7 +105,7 @@ def test_invalid_leading():
 def test_complement_draws_are_uniform_distinct_and_change_per_refresh():
   """``refresh_noise`` + ``complement_indices`` (the rule the tracker follows): k distinct
   indices, every index equally likely, and a different draw at every refresh count."""
-  from fisher_optax.blocks import switching
+  from fisher_optax import refresh as switching
   key, n, k, draws = jax.random.PRNGKey(0), 10, 3, 4000
   words = switching.refresh_noise(key, jnp.int32(7), draws, n)
   assert words.shape == (draws, n) and words.dtype == jnp.uint32
@@ -193,7 +193,7 @@ def test_switching_refresh_of_a_tall_gradient_against_float64():
 def test_basis_from_is_the_first_refresh_at_step_one_and_the_switching_refresh_after():
   """The tracker's single refresh branch: ``basis_from(..., first)`` is ``first_from`` when
   ``first`` and ``refresh_from`` otherwise, under ``jit`` and ``vmap`` (the GPU path)."""
-  from fisher_optax.blocks import switching
+  from fisher_optax import refresh as switching
   pol = fo.switch(leading=1)
   m, n, r, b = 6, 9, 3, 4
   g = jax.random.normal(jax.random.PRNGKey(0), (b, m, n))

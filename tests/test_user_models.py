@@ -114,7 +114,7 @@ def test_rules_are_not_python_callables():
 
 def _wrapped(inner_factory):
   label = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
-      lambda k, _: "fo" if "hidden" in fo.routing.path_to_str(k) else "sgd", p)
+      lambda k, _: "fo" if "hidden" in fo.matrices.path_to_str(k) else "sgd", p)
   return {
       "chain": optax.chain(optax.clip_by_global_norm(1.0), inner_factory()),
       "inject": optax.inject_hyperparams(fo.alice, static_args=("rank", "leading"))(

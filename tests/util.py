@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fisher_optax as fo
-from fisher_optax.blocks import switching
+from fisher_optax import refresh as switching
 from tests import reference
 from tests.registry import LR, STACK
 

@@ -1,5 +1,9 @@
 """Building blocks: one module per structural approximation (docs: "Building blocks and
-composition")."""
+composition").
+
+The refresh policies that :func:`low_rank_track` takes (``switch``, ``subspace_refresh``,
+``svd_refresh``) are static configuration, not transformations; they live below the blocks
+in :mod:`fisher_optax.refresh`."""
 
 from fisher_optax.blocks.compensate import CompensateState, compensate
 from fisher_optax.blocks.limiter import NormGrowthLimiterState, limit_growth, norm_growth_limiter
@@ -8,8 +12,6 @@ from fisher_optax.blocks.subspace import (OnCoefficientsState, Subspace, Subspac
                                           in_subspace, on_coefficients, project_back)
 from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMomentsState,
                                          scale_by_bias_correction, scale_by_moments)
-from fisher_optax.blocks.switching import (SubspaceRefresh, Switch, SvdRefresh,
-                                          subspace_refresh, svd_refresh, switch)
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
 from fisher_optax.blocks.rotate import RotateSideState, RotateState, rotate
 from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,

@@ -12,7 +12,7 @@ re-expressed at a refresh as ``Q~ <- U^T (U_old Q~ U_old^T) U``. ``b3=0``
 
 Refresh: when ``(t - 1) mod interval == 0`` (steps 1, K+1, 2K+1, ...),
 inside the compiled step, with the policy given as ``refresh=``
-(:mod:`fisher_optax.blocks.switching`). A refresh that produces a non-finite basis
+(:mod:`fisher_optax.refresh`). A refresh that produces a non-finite basis
 keeps the previous one.
 
 Cost (what makes the hot path fast): an ordinary step is two batched matmuls per
@@ -38,7 +38,7 @@ import optax
 
 from fisher_optax import grouping, linalg, matrices, rng, validation
 from fisher_optax.blocks import subspace
-from fisher_optax.blocks import switching as switching_lib
+from fisher_optax import refresh as refresh_lib
 
 
 class LowRankTrackState(NamedTuple):
@@ -79,7 +79,7 @@ def low_rank_track(*, rank: int, interval: int = 200, b3: float = 0.0,
   rank = validation.static_int("rank", rank)
   validation.check_int("interval", interval, low=1)
   validation.check_range("b3", b3, low=0.0, high=1.0)
-  policy = refresh if refresh is not None else switching_lib.switch()
+  policy = refresh if refresh is not None else refresh_lib.switch()
   leading = getattr(policy, "leading", None)
   if isinstance(leading, int) and leading > rank:
     raise ValueError(f"`leading` must be an integer [0, {rank}] (at most `rank`), got {leading}")
@@ -197,7 +197,7 @@ class _Tracker:
 
   def noise(self, key, count, gs, us):
     """Per leaf, the ``[matrices, width]`` random words of this refresh: the rows of one
-    ``rng.words`` draw (as ``switching.refresh_noise``), matrix ``j`` of the tree (leaves
+    ``rng.words`` draw (as ``refresh.refresh_noise``), matrix ``j`` of the tree (leaves
     in order, stacks flattened) taking row ``j``."""
     if not gs:  # no matrices (e.g. every leaf routed to the fallback)
       return []

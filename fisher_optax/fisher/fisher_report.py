@@ -141,7 +141,7 @@ def _per_matrix_samples(grads: Sequence[Any], params: Any, mask: Any, dims: Any)
     if not sel:
       continue
     view = matrices.matrix_view(np.shape(p), d, smaller_first=True)
-    name = routing.path_to_str(path)
+    name = matrices.path_to_str(path)
     stack = np.stack([np.asarray(view.to_canonical(g[i]), np.float32).reshape(
         (view.num_matrices, view.m, view.n)) for g in per_sample])
     for j in range(view.num_matrices):

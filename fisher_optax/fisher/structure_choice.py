@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import optax
 
-from fisher_optax import routing, stacking
+from fisher_optax import matrices, routing, stacking
 from fisher_optax.inspect import memory
 from fisher_optax.fisher.fisher_report import FisherReport
 
@@ -106,7 +106,7 @@ def _state_bytes_by_leaf(tx: optax.GradientTransformation, params: Any) -> dict:
   """Bytes of ``tx``'s state attributed to each parameter path (a state leaf belongs to
   the parameter whose path ends its own path; counters belong to none)."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  paths = [routing.path_to_str(p) for p, _ in flat]
+  paths = [matrices.path_to_str(p) for p, _ in flat]
   with routing.record_routed_inits() as found:
     state = jax.eval_shape(lambda p: tx.init(p), params)  # a new function: no cached trace
   counts = memory.state_sizes_by_leaf(state, [p for p, _ in flat], nbytes=True)
@@ -188,7 +188,7 @@ def _options(report: FisherReport, optimizers: Mapping[str, optax.GradientTransf
         raise ValueError(f"choose_structures: the report's {r.structure} error of "
                          f"{r.matrix!r} is {r.relative}; a report needs finite errors")
       errors.setdefault(_leaf_of(r.matrix), {}).setdefault(r.structure, []).append(r.relative)
-  sizes = {routing.path_to_str(p): int(math.prod(np.shape(x)))
+  sizes = {matrices.path_to_str(p): int(math.prod(np.shape(x)))
            for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   missing = [k for k in errors if k not in sizes]
   if missing:
@@ -276,7 +276,7 @@ def per_layer(choice: StructureChoice, optimizers: Mapping[str, optax.GradientTr
 
   def labels(params):
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [routing.path_to_str(p) for p, _ in flat]
+    paths = [matrices.path_to_str(p) for p, _ in flat]
     absent = sorted(set(chosen) - set(paths))
     if absent:
       raise ValueError(f"per_layer: chosen leaf {absent[0]!r} is not in the parameters")

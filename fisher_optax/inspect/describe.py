@@ -116,7 +116,7 @@ def describe(tx: Any, params: Any) -> Description:
   named optimizer's own state with Adam's.
   """
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  paths = [routing.path_to_str(p) for p, _ in flat]
+  paths = [matrices.path_to_str(p) for p, _ in flat]
   with routing.record_routed_inits() as found:
     # a new function each call: jax caches traces by function, and a cached trace would
     # not run the inits that record themselves
@@ -155,9 +155,9 @@ def _own_numbers(found: list, flat: list, paths: list) -> list:
     inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
     counts = memory.state_sizes_by_leaf(rec.state, [p for p, _ in inner])
     if stacking.is_stacked(rec.routed):
-      stacking.add_stacked_state(counts, rec, [routing.path_to_str(p) for p, _ in inner])
+      stacking.add_stacked_state(counts, rec, [matrices.path_to_str(p) for p, _ in inner])
     for (p, _), n in zip(inner, counts):
-      i = index.get(routing.path_to_str(p))
+      i = index.get(matrices.path_to_str(p))
       if i is not None:
         own[i] += n
   return own
@@ -172,7 +172,7 @@ def _routing_by_path(found: list) -> dict:
     dims = jax.tree.leaves(matrices.resolve_dims(rec.routed.dims, rec.params),
                            is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
     for (path, _), label, d in zip(inner, labels, dims):
-      seen.setdefault(routing.path_to_str(path), (rec, label, d))
+      seen.setdefault(matrices.path_to_str(path), (rec, label, d))
   return seen
 
 

@@ -35,7 +35,7 @@ import math
 import jax
 import numpy as np
 
-from fisher_optax import routing
+from fisher_optax import matrices
 
 
 def state_bytes(state: Any) -> int:
@@ -56,11 +56,11 @@ def state_numbers(state: Any) -> int:
 def state_sizes_by_leaf(state, param_paths, *, nbytes: bool = False) -> list[int]:
   """Optimizer-state numbers (or bytes) attributed to each parameter: a state leaf belongs
   to the parameter whose path ends its own path (counters and keys belong to none)."""
-  keys = {tuple(routing.path_to_str([k]) for k in p): i for i, p in enumerate(param_paths)}
+  keys = {tuple(matrices.path_to_str([k]) for k in p): i for i, p in enumerate(param_paths)}
   longest = max((len(k) for k in keys), default=0)
   counts = [0] * len(param_paths)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    names = tuple(routing.path_to_str([k]) for k in path)
+    names = tuple(matrices.path_to_str([k]) for k in path)
     for n in range(min(longest, len(names)), 0, -1):
       i = keys.get(names[-n:])
       if i is not None:
