@@ -5,6 +5,13 @@ The suite's test functions run as written, over the same parameter grids (dtypes
 targets); only its optimizer lookup points at fisher_optax, with the small settings of
 ``tests/registry.py`` as each optimizer's arguments (its ``rank`` among them, which the
 suite itself marks static under ``optax.inject_hyperparams``).
+
+The suite runs in the per-leaf layout (``stack_matrices=False``) on every backend: its
+``test_optimizers`` reads the state through ``optax.tree.map_params``, which initialises
+with shapeless placeholders, and the stacked layout (the default on GPU and TPU) keeps one
+state array per stack of same-shape matrices, which it cannot build from those (a
+``ValueError`` naming ``stack_matrices=False``). ``tests/test_stacking.py`` holds the two
+layouts' updates equal.
 """
 
 import inspect
@@ -61,6 +68,7 @@ def test_optax_contrib_common(name, method, extra, monkeypatch):
   fn = _ORIGINALS[method]
   accepted = inspect.signature(fn).parameters
   call = dict(opt_name=name,
-              opt_kwargs=dict(learning_rate=_LR.get(name, registry.LR), **registry.kwargs(name, dims=None)),
+              opt_kwargs=dict(learning_rate=_LR.get(name, registry.LR),
+                              **registry.kwargs(name, dims=None), stack_matrices=False),
               wrapper_name=None, wrapper_kwargs=None, **extra)
   fn(common.ContribTest(methodName="run"), **{k: v for k, v in call.items() if k in accepted})
