@@ -76,6 +76,23 @@ def compensation(g, U, sigma, p, b1, d):
   return p, np.where(real[None, :], np.sqrt(d) * resid / safe[None, :], 0.0)
 
 
+def two_sided_scaling(x, s_ema, q_ema, *, beta, iters, eps):
+  """RACS's two-sided scaling of one matrix (paper Alg. "RACS"): ``iters`` fixed-point
+  steps ``s = P^T q / ||q||^2``, ``q = P s / ||s||^2`` on ``P = X * X`` from ``q = 1``,
+  EMAs of ``s`` and ``q`` with ``beta``, floors ``eps * max``, then
+  ``X / sqrt(q) / sqrt(s)``. Returns the scaled matrix and the new EMAs."""
+  p = x * x
+  q = np.ones(x.shape[0])
+  for _ in range(iters):
+    s = p.T @ q / (q @ q)
+    q = p @ s / (s @ s)
+  s_ema = beta * s_ema + (1 - beta) * s
+  q_ema = beta * q_ema + (1 - beta) * q
+  ss = np.maximum(s_ema, eps * s_ema.max())
+  qq = np.maximum(q_ema, eps * q_ema.max())
+  return x / np.sqrt(qq)[:, None] / np.sqrt(ss)[None, :], s_ema, q_ema
+
+
 class RacsRef:
   """Paper Alg. "RACS"."""
 
@@ -86,16 +103,8 @@ class RacsRef:
   def step(self, g):
     k = self.kw
     g = np.asarray(g, np.float64)
-    p = g * g
-    q = np.ones(g.shape[0])
-    for _ in range(k["iters"]):
-      s = p.T @ q / (q @ q)
-      q = p @ s / (s @ s)
-    self.s = k["beta"] * self.s + (1 - k["beta"]) * s
-    self.q = k["beta"] * self.q + (1 - k["beta"]) * q
-    ss = np.maximum(self.s, k["eps"] * self.s.max())
-    qq = np.maximum(self.q, k["eps"] * self.q.max())
-    gt = g / np.sqrt(qq)[:, None] / np.sqrt(ss)[None, :]
+    gt, self.s, self.q = two_sided_scaling(g, self.s, self.q, beta=k["beta"],
+                                           iters=k["iters"], eps=k["eps"])
     eta, self.phi = limiter(np.linalg.norm(gt), self.phi, k["gamma"])
     return -k["lr"] * k["alpha"] * eta * gt
 
@@ -458,17 +467,8 @@ class WhiteningCompositionRef(NorMuonRef):
     self.order, self.scale_kw = order, dict(beta=scale_beta, iters=iters, eps=eps)
 
   def two_sided(self, x):
-    k = self.scale_kw
-    p = x * x
-    q = np.ones(x.shape[0])
-    for _ in range(k["iters"]):
-      s = p.T @ q / (q @ q)
-      q = p @ s / (s @ s)
-    self.s = k["beta"] * self.s + (1 - k["beta"]) * s
-    self.q = k["beta"] * self.q + (1 - k["beta"]) * q
-    ss = np.maximum(self.s, k["eps"] * self.s.max())
-    qq = np.maximum(self.q, k["eps"] * self.q.max())
-    return x / np.sqrt(qq)[:, None] / np.sqrt(ss)[None, :]
+    out, self.s, self.q = two_sided_scaling(x, self.s, self.q, **self.scale_kw)
+    return out
 
   def step(self, g, pick=None):
     k = self.kw
