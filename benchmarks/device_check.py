@@ -4,20 +4,27 @@
     python benchmarks/device_check.py --smoke --out /tmp/check      # toy sizes, CPU, minutes
 
 Parts, in this order (each a subprocess with a time limit; a part that would start with
-too little of ``--budget`` left is recorded as skipped, never silently dropped):
+too little of ``--budget`` left is recorded as skipped, never silently dropped; a part
+still running at its limit is interrupted and keeps what it printed):
 
 1. ``env``: device, driver, JAX backend, and the jax/jaxlib/optax/flax/chex/numpy versions.
-2. ``tests``: the default test suite (``python -m pytest -q -n N tests``) at the device's
-   default matmul precision: pass/fail/skip counts and the failures by name.
-3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
-   for adam, racs, alice, alice0, galore, fira, apollo_mini, soap and the optax peers
-   (``optax.contrib.muon`` as ``muon``, ``optax.contrib.galore``): ordinary, refresh and
+2. ``tests``: the default test suite (``python -m pytest -n N tests``) at the device's
+   default matmul precision: pass/fail/skip counts, the failures by name, the slowest
+   tests, and how many had not finished if it was interrupted.
+3. ``train``: :mod:`benchmarks.train_throughput`: the LLaMA example's jitted training step
+   at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon.
+4. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
+   for racs, alice, galore, the optax peers (``optax.contrib.muon`` as ``muon``,
+   ``optax.contrib.galore``), soap, alice0, fira and apollo_mini: ordinary, refresh and
    amortised step as ratios to ``optax.adam``'s update in the same process, and compile
    seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
-4. ``train``: :mod:`benchmarks.train_throughput`: the LLaMA example's jitted training step
-   at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon.
 5. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
+
+On one H100 the default 470-second budget covers parts 1-3 and the first optimizers of
+part 4 (the suite takes over 3.5 minutes, the training part 2, and compiling Alice's 60M
+update alone 35 s). The rest of the grid is a second run of its own budget,
+``--parts steps,precision`` (with ``--presets 130M`` for a third).
 
 Writes ``OUT/<device>-<date>.md`` and ``OUT/<device>-<date>.json`` (the same numbers),
 rewritten after every part so that a run cut short keeps what it finished.
@@ -42,6 +49,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -49,13 +57,13 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FULL = dict(presets=("60M", "130M"),
-            optimizers=("racs", "alice", "alice0", "galore", "fira", "apollo_mini", "soap",
-                        "muon", "optax_galore"),
+            optimizers=("racs", "alice", "galore", "muon", "optax_galore", "soap", "alice0",
+                        "fira", "apollo_mini"),
             layouts=("stacked", "per-leaf"), reps=8, refresh_reps=2,
             train_preset="60M", train_optimizers=("racs", "alice", "muon"), train_dtype="bfloat16",
-            train_rounds=3, train_steps=3,
+            train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
-            tests=["tests"], caps=dict(tests=200, steps=150, train=150, precision=90))
+            tests=["tests"], caps=dict(tests=240, steps=150, train=150, precision=90))
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
@@ -79,7 +87,9 @@ class Check:
   def run(self, what: str, cmd: list, cap: float, env: dict | None = None):
     """Runs ``cmd`` with at most ``min(cap, time left)`` seconds; returns ``(stdout,
     stderr, returncode, seconds)``, or ``None`` (recorded as skipped) when under 20 s
-    are left. A command cut at its limit returns what it printed, code ``"timeout"``."""
+    are left. A command still running 15 s before its limit is interrupted (SIGINT, then
+    killed at the limit) and returns what it printed, code ``"timeout"``: an interrupted
+    pytest prints its counts so far."""
     limit = min(cap, self.left())
     if limit < 20:
       self.data["skipped"].append(what)
@@ -91,13 +101,20 @@ class Check:
                     **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     try:
-      p = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                         timeout=limit)
-      return p.stdout, p.stderr, p.returncode, time.monotonic() - t
-    except subprocess.TimeoutExpired as e:
-      dec = lambda b: b.decode() if isinstance(b, bytes) else (b or "")  # noqa: E731
-      return dec(e.stdout), dec(e.stderr), "timeout", time.monotonic() - t
+      out, err = p.communicate(timeout=max(limit - 15, 5))
+      return out, err, p.returncode, time.monotonic() - t
+    except subprocess.TimeoutExpired:
+      # an interrupt first: pytest then prints its counts and failures so far
+      p.send_signal(signal.SIGINT)
+      try:
+        out, err = p.communicate(timeout=15)
+      except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+      return out, err, "timeout", time.monotonic() - t
 
 
 def environment() -> dict:
@@ -129,10 +146,22 @@ def device_slug(env: dict) -> str:
 
 
 def parse_pytest(stdout: str) -> dict:
+  """Counts, failures, the slowest tests (``--durations``) and, for a run cut short,
+  how many collected tests never finished."""
+  summary = [ln for ln in stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
   counts = {k: int(n) for n, k in re.findall(
-      r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", stdout)}
+      r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)",
+      summary[-1] if summary else "")}
   failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, flags=re.M)
-  return dict(counts=counts, failures=failures)
+  slowest = [dict(seconds=float(s), test=n) for s, n in
+             re.findall(r"^([\d.]+)s call\s+(\S+)", stdout, flags=re.M)]
+  out = dict(counts=counts, failures=failures, slowest=slowest)
+  items = re.search(r"(\d+) workers \[(\d+) items?\]|collected (\d+) items?", stdout)
+  if items:
+    total = int(items.group(2) or items.group(3))
+    done = sum(v for k, v in counts.items() if k != "deselected")
+    out["unfinished"] = max(total - done, 0)
+  return out
 
 
 def jsonl(stdout: str) -> list:
@@ -150,13 +179,14 @@ def jsonl(stdout: str) -> list:
 def part_tests(chk: Check, cfg: dict):
   n = min(16, os.cpu_count() or 1)
   xdist = ["-n", str(n)] if importlib.util.find_spec("xdist") and n > 1 else []
-  r = chk.run("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        *xdist, *cfg["tests"]], cfg["caps"]["tests"])
+  r = chk.run("tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                        "-p", "no:benchmark", "--durations=8", *xdist, *cfg["tests"]],
+              cfg["caps"]["tests"])
   if r is None:
     return
   out, err, code, sec = r
   chk.data["parts"]["tests"] = dict(parse_pytest(out), returncode=code, seconds=sec,
-                                    command=f"python -m pytest -q {' '.join(xdist)} "
+                                    command=f"python -m pytest {' '.join(xdist)} "
                                             f"{' '.join(cfg['tests'])}",
                                     tail=(out + err)[-1500:] if code not in (0, 1) else "")
 
@@ -215,15 +245,18 @@ def part_precision(chk: Check, cfg: dict):
       cap=cfg["caps"]["precision"])
 
 
-PARTS = {"tests": part_tests, "steps": part_steps, "train": part_train,
+PARTS = {"tests": part_tests, "train": part_train, "steps": part_steps,
          "precision": part_precision}
 
 
 def markdown(d: dict) -> str:
   env = d["env"]
   lines = [f"# Device check: {env.get('nvidia_smi', env['device_kind'])}", "",
-           f"Started {d['started']}; `python benchmarks/device_check.py"
-           f"{' --smoke' if d['smoke'] else ''}`; {d.get('seconds', 0):.0f} s.", "",
+           f"Started {d['started']}"
+           + (f" on commit {d['commit']}" if d.get("commit") else "")
+           + f"; `python benchmarks/device_check.py"
+           + "".join(f" {a}" for a in d.get("argv", ["--smoke"] if d["smoke"] else []))
+           + f"`; {d.get('seconds', 0):.0f} s.", "",
            "| | |", "|---|---|"]
   lines += [f"| {k} | {v} |" for k, v in env.items()]
   t = d["parts"].get("tests")
@@ -231,8 +264,13 @@ def markdown(d: dict) -> str:
     c = t["counts"]
     lines += ["", "## Test suite at the device's default precision", "",
               f"`{t['command']}`: " + ", ".join(f"{v} {k}" for k, v in c.items())
-              + f" in {t['seconds']:.0f} s (exit {t['returncode']})."]
+              + f" in {t['seconds']:.0f} s (exit {t['returncode']})"
+              + (f"; {t['unfinished']} tests had not finished when it was interrupted"
+                 if t.get("unfinished") else "") + "."]
     lines += [f"- failed: `{f}`" for f in t["failures"]]
+    if t.get("slowest"):
+      lines += ["", "Slowest tests: " + "; ".join(
+          f"`{x['test'].split('::')[-1]}` {x['seconds']:.0f} s" for x in t["slowest"]) + "."]
   steps = d["parts"].get("steps")
   if steps:
     lines += ["", "## Update step against optax.adam (same process)", "",
@@ -303,6 +341,7 @@ def main(argv=None):
   chk = Check(pathlib.Path(args.out), args.budget, args.smoke)
   chk.data["env"] = environment()
   chk.data["commit"] = os.environ.get("FISHER_OPTAX_COMMIT", "")
+  chk.data["argv"] = list(sys.argv[1:] if argv is None else argv)
   chk.write()
   for name in args.parts.split(","):
     if name not in PARTS:
