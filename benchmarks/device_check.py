@@ -13,16 +13,20 @@ still running at its limit is interrupted and keeps what it printed):
    tests, and how many had not finished if it was interrupted.
 3. ``train``: :mod:`benchmarks.train_throughput`: the LLaMA example's jitted training step
    at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon.
-4. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
+4. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
+   inside a low-rank refresh (Cholesky and Householder QR, ``r x r`` eigh by QR and by
+   Jacobi, complement columns, the first refresh's Gram eigh, Alice's whole refresh of
+   one group), batched as the stacked layout runs them.
+5. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
    for racs, alice, galore, the optax peers (``optax.contrib.muon`` as ``muon``,
    ``optax.contrib.galore``), soap, alice0, fira and apollo_mini: ordinary, refresh and
    amortised step as ratios to ``optax.adam``'s update in the same process, and compile
    seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
-5. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
+6. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
 
-On one H100 the default 470-second budget covers parts 1-3 and the first optimizers of
-part 4 (the suite takes over 3.5 minutes, the training part 2, and compiling Alice's 60M
+On one H100 the default 470-second budget covers parts 1-4 and the first optimizers of
+part 5 (the suite takes over 3.5 minutes, the training part 2, and compiling Alice's 60M
 update alone 35 s). The rest of the grid is a second run of its own budget,
 ``--parts steps,precision`` (with ``--presets 130M`` for a third).
 
@@ -63,13 +67,14 @@ FULL = dict(presets=("60M", "130M"),
             train_preset="60M", train_optimizers=("racs", "alice", "muon"), train_dtype="bfloat16",
             train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
-            tests=["tests"], caps=dict(tests=240, steps=150, train=150, precision=90))
+            tests=["tests"], caps=dict(tests=240, steps=150, train=150, precision=90,
+                                       primitives=60))
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
              train_rounds=1, train_steps=1, precision_optimizers=("galore",),
              tests=["tests/test_refresh.py"], caps=dict(tests=300, steps=300, train=300,
-                                                        precision=300))
+                                                        precision=300, primitives=300))
 
 
 class Check:
@@ -237,6 +242,15 @@ def part_train(chk: Check, cfg: dict):
     chk.data.setdefault("errors", []).append(dict(part="train", tail=err[-1500:]))
 
 
+def part_primitives(chk: Check, cfg: dict):
+  preset = cfg["presets"][0]
+  r = chk.run(f"primitives {preset}", [sys.executable, "benchmarks/primitives.py", "--preset",
+                                       preset, "--jsonl", "--reps", "5"],
+              cfg["caps"]["primitives"])
+  if r is not None:
+    chk.data["parts"]["primitives"] = jsonl(r[0])
+
+
 def part_precision(chk: Check, cfg: dict):
   preset = cfg["presets"][0]
   chk.data["parts"]["precision"] = step_rows(
@@ -245,8 +259,8 @@ def part_precision(chk: Check, cfg: dict):
       cap=cfg["caps"]["precision"])
 
 
-PARTS = {"tests": part_tests, "train": part_train, "steps": part_steps,
-         "precision": part_precision}
+PARTS = {"tests": part_tests, "train": part_train, "primitives": part_primitives,
+         "steps": part_steps, "precision": part_precision}
 
 
 def markdown(d: dict) -> str:
@@ -303,6 +317,16 @@ def markdown(d: dict) -> str:
       f = (lambda k, fmt: f"{b[k]:{fmt}} / {r[k]:{fmt}}" if b else f"n/a / {r[k]:{fmt}}")  # noqa: E731
       lines.append(f"| {r['optimizer']} | {f('ratio_ordinary', '.2f')} | "
                    f"{f('ratio_refresh', '.2f')} | {f('compile_s', '.1f')} |")
+  prim = d["parts"].get("primitives")
+  if prim:
+    lines += ["", f"## The refresh's factorizations, batched ({prim[0]['preset']} shapes)", "",
+              "`python benchmarks/primitives.py`: one jitted call per row, median of 5.", "",
+              "| primitive | batch | shape | ms | ms a matrix | compile s |",
+              "|---|---|---|---|---|---|"]
+    for x in prim:
+      lines.append(f"| {x['primitive']} | {x['batch']} | {x['shape']} | "
+                   + (f"{x['ms']:.2f} | {x['ms_per_matrix']:.3f} | {x['compile_s']:.1f} |"
+                      if "ms" in x else f"{x['error']} | | |"))
   if d["skipped"]:
     lines += ["", "## Not measured in this run", ""] + [f"- {s}" for s in d["skipped"]]
   return "\n".join(lines) + "\n"

@@ -165,9 +165,29 @@ def test_device_check_smoke_writes_every_part(tmp_path):
   assert all(r["ratio_ordinary"] > 0 and r["compile_s"] > 0 for r in steps)
   assert [r["optimizer"] for r in data["parts"]["train"]][0] == "adam"
   assert data["parts"]["precision"][0]["matmul_precision"] == "tensorfloat32"
+  prim = {r["primitive"]: r for r in data["parts"]["primitives"]}
+  assert prim["alice refresh_from (switching)"]["ms"] > 0 and "cholesky_qr m x r" in prim
   text = md.read_text()
-  for heading in ("Test suite", "Update step", "Training step", "Matmul precision"):
+  for heading in ("Test suite", "Update step", "Training step", "Matmul precision",
+                  "refresh's factorizations"):
     assert heading in text
+
+
+def test_device_check_reads_an_interrupted_parallel_pytest_run():
+  """A test part cut at its limit is interrupted, and pytest's counts so far are kept
+  with how many collected tests never finished."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import device_check
+  out = ("created: 16/16 workers\n16 workers [40 items]\n\n....F...\n"
+         "!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!\n"
+         "FAILED tests/test_a.py::test_b[3] - AssertionError\n"
+         "12.50s call     tests/test_a.py::test_slow\n"
+         "=========== 1 failed, 30 passed, 4 skipped, 2 xfailed in 220.5s ===========\n")
+  got = device_check.parse_pytest(out)
+  assert got["counts"] == dict(failed=1, passed=30, skipped=4, xfailed=2)
+  assert got["failures"] == ["tests/test_a.py::test_b[3]"]
+  assert got["unfinished"] == 3
+  assert got["slowest"] == [dict(seconds=12.5, test="tests/test_a.py::test_slow")]
 
 
 @pytest.mark.example

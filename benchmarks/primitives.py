@@ -1,0 +1,135 @@
+"""Time the factorizations inside a low-rank refresh, batched as the stacked layout runs them.
+
+    python benchmarks/primitives.py [--preset 60M] [--reps 5] [--jsonl]
+
+Alice's refresh of one stack of same-shape matrices (``B`` matrices, ``m x r`` bases) is
+built from: the Gram ``G G^T`` (a batched product), subspace-iteration steps
+orthonormalized by Cholesky QR (:func:`fisher_optax.linalg.cholesky_qr`: products and
+``r x r`` factors), the Rayleigh-Ritz eigendecomposition of an ``r x r`` matrix, and, for
+switching, complement columns from a Householder QR of the basis
+(:func:`fisher_optax.linalg.complement_columns`). On a GPU a batched ``eigh`` above
+32 x 32 and a batched Householder QR run one matrix after another; this script times
+each piece at a preset's shapes so that their share of the refresh step is measured,
+not guessed, together with two candidates: ``eigh`` by Jacobi sweeps
+(``jax.lax.linalg.eigh(implementation=JACOBI)``, GPU/TPU only) and Householder QR of the
+same ``m x r`` matrices for comparison with Cholesky QR. Also the whole refresh of one
+stack (:meth:`fisher_optax.refresh.Switch.refresh_from`, vmapped).
+
+Each row: batch ``B``, shape, compile seconds, median milliseconds of ``--reps`` runs,
+and milliseconds per matrix. The shapes are the preset's LLaMA (:func:`shapes`) and its
+Alice rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from examples.llama import presets  # noqa: E402
+from fisher_optax import linalg, refresh  # noqa: E402
+
+
+def shapes(preset: str) -> tuple[list[tuple[int, int, int]], int, int, int, int]:
+  """The preset's weight stacks ``(B, m, n)`` with ``m <= n`` (``4L`` ``h x h``, ``3L``
+  ``h x f``: gate and up, and down read transposed; the output layer ``h x vocab``),
+  and ``(B, m, r, leading)`` of the one group the refresh runs: its operand is the
+  ``m x m`` Gram, so every matrix of one ``m`` shares one batched refresh."""
+  cfg = presets.MODELS[preset]
+  h, f, layers, vocab = cfg["hidden"], cfg["intermediate"], cfg["layers"], cfg["vocab_size"]
+  r, leading, _ = presets.LOW_RANK[preset]
+  weights = [(4 * layers, h, h), (3 * layers, h, f), (1, h, vocab)]
+  return weights, sum(b for b, _, _ in weights), h, r, leading
+
+
+def timed(fn, *args, reps: int) -> tuple[float, float]:
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return compile_s, 1e3 * statistics.median(times)
+
+
+def cases(b: int, m: int, r: int, leading: int):
+  """``(name, fn, args)`` for the refresh group of ``b`` matrices, ``m x r`` bases."""
+  rng = np.random.default_rng(0)
+  u = jax.vmap(linalg.cholesky_qr)(jnp.asarray(rng.standard_normal((b, m, r)), jnp.float32))
+  y = jnp.asarray(rng.standard_normal((b, m, r)), jnp.float32)
+  h = jnp.einsum("bmr,bms->brs", y, y)
+  g = jnp.asarray(rng.standard_normal((b, m, 2 * m)), jnp.float32)
+  gram = jnp.einsum("bmn,bkn->bmk", g, g) / (2 * m)
+  switch = refresh.Switch(leading=leading)
+  noise = jax.random.bits(jax.random.key(0), (b, m - r), jnp.uint32)
+  out = [
+      ("cholesky_qr m x r", jax.vmap(linalg.cholesky_qr), (y,)),
+      ("householder qr m x r", jax.vmap(linalg.orthonormalize), (y,)),
+      ("eigh r x r (default)", jax.vmap(lambda a: jnp.linalg.eigh(a, symmetrize_input=False)),
+       (h,)),
+      ("complement_columns", jax.vmap(linalg.complement_columns, in_axes=(0, None)),
+       (u, jnp.arange(r - leading))),
+      ("eigh m x m gram (first refresh)",
+       jax.vmap(lambda c: jnp.linalg.eigh(c, symmetrize_input=False)), (gram,)),
+      ("alice refresh_from (switching)",
+       jax.vmap(lambda c, u0, z: switch.refresh_from(c, u0, None, 0.0, z)), (gram, u, noise)),
+  ]
+  if jax.default_backend() != "cpu":
+    jacobi = jax.lax.linalg.EighImplementation.JACOBI
+    out.insert(3, ("eigh r x r (jacobi)", lambda a: jax.lax.linalg.eigh(
+        a, symmetrize_input=False, implementation=jacobi), (h,)))
+  return out
+
+
+def report(row: dict, as_json: bool):
+  if as_json:
+    print(json.dumps(row), flush=True)
+    return
+  what = f"{row['primitive']:32s} B{row['batch']:<3d} {row['shape']:>14s}"
+  if "error" in row:
+    print(f"{what}: {row['error']}", flush=True)
+  else:
+    print(f"{what} {row['ms']:9.2f} ms ({row['ms_per_matrix']:7.3f} ms a matrix)"
+          f"  compile {row['compile_s']:5.1f} s", flush=True)
+
+
+def measure(name, fn, fargs, b, shape, preset, reps) -> dict:
+  row = dict(preset=preset, primitive=name, batch=b, shape=shape, backend=jax.default_backend())
+  try:
+    compile_s, ms = timed(fn, *fargs, reps=reps)
+  except Exception as e:  # a primitive this backend lacks is part of the report
+    return dict(row, error=f"{type(e).__name__}: {str(e)[:200]}")
+  return dict(row, compile_s=compile_s, ms=ms, ms_per_matrix=ms / b)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="60M")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--jsonl", action="store_true")
+  args = ap.parse_args(argv)
+  weights, b, m, r, leading = shapes(args.preset)
+  gram = jax.vmap(refresh.Switch().operand)
+  for bw, mw, nw in weights:
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((bw, mw, nw)), jnp.float32)
+    report(measure("gram G G^T", gram, (g,), bw, f"{mw}x{nw}", args.preset, args.reps),
+           args.jsonl)
+  for name, fn, fargs in cases(b, m, r, leading):
+    shape = f"{m}x{m} r{r}" if "m x m" in name or "refresh" in name else (
+        f"{r}x{r}" if "r x r" in name else f"{m}x{r}")
+    report(measure(name, fn, fargs, b, shape, args.preset, args.reps), args.jsonl)
+
+if __name__ == "__main__":
+  main()
