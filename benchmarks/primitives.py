@@ -13,7 +13,9 @@ each piece at a preset's shapes so that their share of the refresh step is measu
 not guessed, together with two candidates: ``eigh`` by Jacobi sweeps
 (``jax.lax.linalg.eigh(implementation=JACOBI)``, GPU/TPU only) and Householder QR of the
 same ``m x r`` matrices for comparison with Cholesky QR. Also the whole refresh of one
-stack (:meth:`fisher_optax.refresh.Switch.refresh_from`, vmapped).
+stack (:meth:`fisher_optax.refresh.Switch.refresh_from`, vmapped), and per weight stack
+RACS's fixed point (its products with a vector as multiply-reduce, as the library writes
+them, and as ``dot`` for comparison) beside a copy of the stack (bandwidth yardstick).
 
 Each row: batch ``B``, shape, compile seconds, median milliseconds of ``--reps`` runs,
 and milliseconds per matrix. The shapes are the preset's LLaMA (:func:`shapes`) and its
@@ -37,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from examples.llama import presets  # noqa: E402
 from fisher_optax import linalg, refresh  # noqa: E402
+from fisher_optax.blocks.two_sided import two_sided_fixed_point  # noqa: E402
 
 
 def shapes(preset: str) -> tuple[list[tuple[int, int, int]], int, int, int, int]:
@@ -49,6 +52,27 @@ def shapes(preset: str) -> tuple[list[tuple[int, int, int]], int, int, int, int]
   r, leading, _ = presets.LOW_RANK[preset]
   weights = [(4 * layers, h, h), (3 * layers, h, f), (1, h, vocab)]
   return weights, sum(b for b, _, _ in weights), h, r, leading
+
+
+def fixed_point_by_dots(g: jax.Array, iters: int = 5) -> tuple[jax.Array, jax.Array]:
+  """A candidate for RACS's fixed point (:func:`two_sided_fixed_point`) with its products
+  with a vector as matrix products (``dot``) instead of multiply-reduce: the same
+  arithmetic, for timing the two against each other."""
+  g = g.astype(jnp.float32)
+  c = jnp.max(jnp.abs(g))
+  c = jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
+  p = jnp.square(g / c)
+  tiny = jnp.finfo(jnp.float32).tiny
+
+  def body(_, sq):
+    s, q = sq
+    s = linalg.matmul(q, p) / jnp.maximum(jnp.sum(q * q), tiny)
+    q = linalg.matmul(p, s) / jnp.maximum(jnp.sum(s * s), tiny)
+    return s, q
+
+  s, q = jax.lax.fori_loop(0, iters, body, (jnp.zeros((g.shape[1],), jnp.float32),
+                                            jnp.ones((g.shape[0],), jnp.float32)))
+  return s * (c * c), q
 
 
 def timed(fn, *args, reps: int) -> tuple[float, float]:
@@ -122,10 +146,13 @@ def main(argv=None):
   args = ap.parse_args(argv)
   weights, b, m, r, leading = shapes(args.preset)
   gram = jax.vmap(refresh.Switch().operand)
+  racs = jax.vmap(lambda g: two_sided_fixed_point(g, 5))
   for bw, mw, nw in weights:
     g = jnp.asarray(np.random.default_rng(0).standard_normal((bw, mw, nw)), jnp.float32)
-    report(measure("gram G G^T", gram, (g,), bw, f"{mw}x{nw}", args.preset, args.reps),
-           args.jsonl)
+    for name, fn in (("gram G G^T", gram), ("copy (bandwidth yardstick)", lambda x: x * 2.0),
+                     ("racs fixed point, 5 iters", racs),
+                     ("racs fixed point by dots", jax.vmap(fixed_point_by_dots))):
+      report(measure(name, fn, (g,), bw, f"{mw}x{nw}", args.preset, args.reps), args.jsonl)
   for name, fn, fargs in cases(b, m, r, leading):
     shape = f"{m}x{m} r{r}" if "m x m" in name or "refresh" in name else (
         f"{r}x{r}" if "r x r" in name else f"{m}x{r}")

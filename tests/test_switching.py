@@ -169,6 +169,35 @@ def test_complement_columns_are_the_complete_qr_columns_without_forming_q():
   np.testing.assert_allclose(batched, got, atol=1e-6)
 
 
+@pytest.mark.parametrize("m,r,kind", [(40, 12, "random"), (9, 8, "random"), (7, 1, "random"),
+                                      (512, 128, "random"), (10, 4, "unit"),
+                                      (10, 4, "negated unit"), (12, 5, "zero pivot")])
+def test_complement_by_householder_reconstruction_equals_lapacks_qr(m, r, kind):
+  """The reconstructed reflectors give LAPACK's complete-QR columns (float64 ``geqrf``
+  through NumPy), including the cases where Householder QR takes no reflection (a
+  column that is already +-e_k: ``tau = 0``) and a zero pivot (``sign(0)`` taken as +1,
+  as LAPACK's ``dlarfg`` does)."""
+  rng = np.random.default_rng(m * 100 + r)
+  if kind == "random":
+    u = np.linalg.qr(rng.standard_normal((m, r)))[0]
+  elif kind in ("unit", "negated unit"):
+    u = np.eye(m)[:, :r] * (1.0 if kind == "unit" else -1.0)
+  else:  # the first pivot is exactly 0: the first column has no component along e_1
+    u = np.linalg.qr(np.concatenate([np.zeros((1, r)), rng.standard_normal((m - 1, r))]))[0]
+    assert u[0, 0] == 0.0
+  q = np.linalg.qr(u, mode="complete")[0]
+  cols = np.arange(m - r)
+  got = np.asarray(fo.linalg.complement_columns(jnp.asarray(u, jnp.float32), jnp.asarray(cols)))
+  np.testing.assert_allclose(got, q[:, r:], atol=2e-6 * np.sqrt(m))
+  np.testing.assert_allclose(got.T @ got, np.eye(m - r), atol=2e-6 * np.sqrt(m))
+  np.testing.assert_allclose(u.T @ got, 0.0, atol=2e-6 * np.sqrt(m))
+
+
+def test_complement_of_a_full_basis_is_empty():
+  u = jnp.eye(5)
+  assert fo.linalg.complement_columns(u, jnp.arange(0)).shape == (5, 0)
+
+
 def test_switching_refresh_of_a_tall_gradient_against_float64():
   """``m > n`` with switching: the leading columns span the top Ritz vectors of the
   float64 subspace iteration on ``Q = b3 U Q~ U^T + (1 - b3) G G^T`` (formed densely
