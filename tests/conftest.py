@@ -3,7 +3,7 @@
 * The long poles first: optax's own ``test_optimizers`` (30,000 steps of each named
   optimizer in one scan, ``tests/test_optax_common.py``) run before everything else, so a
   parallel run (``pytest -n N``) starts them first instead of ending on them. On an H100
-  the longest took 190 s (about 6 ms a step: its refresh every 2 steps, small
+  the longest took 190 s (about 6 ms a step, with a refresh every 2 steps then: small
   decompositions one kernel launch after another), against about 1 s on a CPU.
 * 8 CPU devices, so that sharded runs are tested on CPU; single-device code keeps using
   device 0.
