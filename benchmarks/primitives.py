@@ -10,9 +10,12 @@ switching, complement columns from a Householder QR of the basis
 (:func:`fisher_optax.linalg.complement_columns`). On a GPU a batched ``eigh`` above
 32 x 32 and a batched Householder QR run one matrix after another; this script times
 each piece at a preset's shapes so that their share of the refresh step is measured,
-not guessed, together with two candidates: ``eigh`` by Jacobi sweeps
-(``jax.lax.linalg.eigh(implementation=JACOBI)``, GPU/TPU only) and Householder QR of the
-same ``m x r`` matrices for comparison with Cholesky QR. Also the whole refresh of one
+not guessed, together with candidates: ``eigh`` by cuSOLVER's batched Jacobi
+(``jax.lax.linalg.eigh(implementation=JACOBI)``, GPU only; cuSOLVER documents it up to
+32 x 32, so at larger ``r`` the row may record an error), ``eigh`` by Jacobi sweeps
+written as gathers and elementwise rotations (:func:`jacobi_eigh`, batched on every
+backend), and Householder QR of the same ``m x r`` matrices for comparison with Cholesky
+QR. Also the whole refresh of one
 stack (:meth:`fisher_optax.refresh.Switch.refresh_from`, vmapped), and per weight stack
 RACS's fixed point (its products with a vector as multiply-reduce, as the library writes
 them, and as ``dot`` for comparison) beside a copy of the stack (bandwidth yardstick).
@@ -75,6 +78,57 @@ def fixed_point_by_dots(g: jax.Array, iters: int = 5) -> tuple[jax.Array, jax.Ar
   return s * (c * c), q
 
 
+def round_robin(n: int) -> np.ndarray:
+  """``(n - 1, n // 2, 2)`` index pairs for even ``n``: every pair of ``range(n)`` exactly
+  once, ``n / 2`` disjoint pairs a round (the circle method of a round-robin tournament)."""
+  idx, out = list(range(n)), []
+  for _ in range(n - 1):
+    out.append([(idx[i], idx[n - 1 - i]) for i in range(n // 2)])
+    idx = [idx[0], idx[-1]] + idx[1:-1]
+  return np.asarray(out, np.int32)
+
+
+def jacobi_eigh(a: jax.Array, sweeps: int = 8) -> tuple[jax.Array, jax.Array]:
+  """A candidate for the refresh's ``r x r`` eigendecomposition that runs batched on a GPU
+  (cuSOLVER runs a batch of ``eigh`` above 32 x 32 one matrix after another): cyclic
+  Jacobi with the round-robin parallel ordering (Brent and Luk 1985), ``n / 2`` disjoint
+  rotations a round, ``n - 1`` rounds a sweep, a fixed number of sweeps (one compiled
+  loop, no convergence test). Each rotation zeroes ``a_pq`` (``t = tan(phi)`` the smaller
+  root of ``t^2 + 2 theta t - 1 = 0``, ``theta = (a_qq - a_pp) / (2 a_pq)``; Golub and
+  Van Loan, Sec. 8.5) and is applied to rows, columns and ``V``. An odd ``n`` is padded
+  with an isolated zero row and column, which no rotation touches. Returns ``(w, V)``,
+  eigenvalues descending. For the benchmark and its test only, not used by the library."""
+  n = a.shape[-1]
+  n2 = n + n % 2
+  a = jnp.pad(a.astype(jnp.float32), ((0, n2 - n), (0, n2 - n)))
+  rounds = jnp.asarray(round_robin(n2))
+
+  def rotate(k, carry):
+    a, v = carry
+    p, q = rounds[k % (n2 - 1), :, 0], rounds[k % (n2 - 1), :, 1]
+    app, aqq, apq = a[p, p], a[q, q], a[p, q]
+    off = apq != 0
+    theta = jnp.where(off, (aqq - app) / jnp.where(off, 2 * apq, 1.0), 0.0)
+    t = jnp.where(off, jnp.where(theta >= 0, 1.0, -1.0)
+                  / (jnp.abs(theta) + jnp.sqrt(theta * theta + 1)), 0.0)
+    c = jax.lax.rsqrt(t * t + 1)
+    s = t * c
+    rp, rq = a[p, :], a[q, :]
+    a = a.at[p, :].set(c[:, None] * rp - s[:, None] * rq).at[q, :].set(
+        s[:, None] * rp + c[:, None] * rq)
+    cp, cq = a[:, p], a[:, q]
+    a = a.at[:, p].set(cp * c - cq * s).at[:, q].set(cp * s + cq * c)
+    vp, vq = v[:, p], v[:, q]
+    v = v.at[:, p].set(vp * c - vq * s).at[:, q].set(vp * s + vq * c)
+    return a, v
+
+  a, v = jax.lax.fori_loop(0, sweeps * (n2 - 1), rotate,
+                           (a, jnp.eye(n2, dtype=jnp.float32)))
+  w, v = jnp.diagonal(a)[:n], v[:n, :n]
+  order = jnp.argsort(-w)
+  return w[order], v[:, order]
+
+
 def timed(fn, *args, reps: int) -> tuple[float, float]:
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
@@ -110,10 +164,11 @@ def cases(b: int, m: int, r: int, leading: int):
       ("alice refresh_from (switching)",
        jax.vmap(lambda c, u0, z: switch.refresh_from(c, u0, None, 0.0, z)), (gram, u, noise)),
   ]
+  out.insert(3, ("eigh r x r (jacobi sweeps)", jax.vmap(jacobi_eigh), (h,)))
   if jax.default_backend() != "cpu":
     jacobi = jax.lax.linalg.EighImplementation.JACOBI
-    out.insert(3, ("eigh r x r (jacobi)", lambda a: jax.lax.linalg.eigh(
-        a, symmetrize_input=False, implementation=jacobi), (h,)))
+    out.insert(3, ("eigh r x r (cusolver jacobi)", lambda a: jax.lax.linalg.eigh(
+        a, symmetrize_input=False, implementation=jacobi), (h,)))  # cuSOLVER syevjBatched
   return out
 
 

@@ -203,3 +203,19 @@ def test_fallback_lr_benchmark_runs_and_writes_its_table(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   lines = table.read_text().splitlines()
   assert lines[0] == "| optimizer | linen | equinox |" and len(lines) == 2 + 3
+
+
+@pytest.mark.parametrize("n", [2, 7, 16, 33])
+def test_primitives_jacobi_candidate_is_an_eigendecomposition(n):
+  """The Jacobi candidate that ``benchmarks/primitives.py`` times against cuSOLVER is an
+  eigendecomposition (eigenvalues descending, the same eigenvectors up to sign as
+  LAPACK's), odd sizes included; its round-robin schedule meets every pair once."""
+  from benchmarks import primitives
+  pairs = primitives.round_robin(n + n % 2).reshape(-1, 2)
+  assert len({tuple(sorted(p)) for p in pairs}) == len(pairs) == (n + n % 2) * (n + n % 2 - 1) // 2
+  x = np.random.default_rng(n).standard_normal((n, 2 * n))
+  h = x @ x.T / n
+  w, v = primitives.jacobi_eigh(jnp.asarray(h))
+  wn, vn = np.linalg.eigh(h)
+  np.testing.assert_allclose(w, wn[::-1], rtol=1e-5, atol=1e-5 * wn[-1])
+  np.testing.assert_allclose(np.abs(np.sum(np.asarray(v) * vn[:, ::-1], axis=0)), 1.0, atol=1e-4)
