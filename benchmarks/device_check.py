@@ -69,7 +69,7 @@ FULL = dict(presets=("60M", "130M"),
             train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
             tests=["tests"], caps=dict(tests=240, steps=150, train=170, train_layout=80,
-                                       precision=90, primitives=75))
+                                       precision=90, primitives=100))
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",

@@ -18,7 +18,9 @@ backend), and Householder QR of the same ``m x r`` matrices for comparison with 
 QR. Also the whole refresh of one
 stack (:meth:`fisher_optax.refresh.Switch.refresh_from`, vmapped), and per weight stack
 RACS's fixed point (its products with a vector as multiply-reduce, as the library writes
-them, and as ``dot`` for comparison) beside a copy of the stack (bandwidth yardstick).
+them, and as ``dot`` for comparison; for a bfloat16 gradient, also with ``P = (G / c)^2``
+recomputed inside each product instead of stored) beside a copy of the stack (bandwidth
+yardstick).
 
 Each row: batch ``B``, shape, compile seconds, median milliseconds of ``--reps`` runs,
 and milliseconds per matrix. The shapes are the preset's LLaMA (:func:`shapes`) and its
@@ -57,20 +59,30 @@ def shapes(preset: str) -> tuple[list[tuple[int, int, int]], int, int, int, int]
   return weights, sum(b for b, _, _ in weights), h, r, leading
 
 
-def fixed_point_by_dots(g: jax.Array, iters: int = 5) -> tuple[jax.Array, jax.Array]:
-  """A candidate for RACS's fixed point (:func:`two_sided_fixed_point`) with its products
-  with a vector as matrix products (``dot``) instead of multiply-reduce: the same
-  arithmetic, for timing the two against each other."""
-  g = g.astype(jnp.float32)
-  c = jnp.max(jnp.abs(g))
+def fixed_point_by_dots(g: jax.Array, iters: int = 5, *,
+                        recompute: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Candidates for RACS's fixed point (:func:`two_sided_fixed_point`): its products with
+  a vector as matrix products (``dot``) instead of multiply-reduce, the same arithmetic;
+  with ``recompute``, multiply-reduce again but ``P = (G / c)^2`` formed inside each
+  product from ``G`` in its own dtype (a bfloat16 gradient is then read at 2 bytes an
+  entry, and ``P`` is never written), also the same arithmetic. For timing against the
+  library's form."""
+  c = jnp.max(jnp.abs(g.astype(jnp.float32)))
   c = jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
-  p = jnp.square(g / c)
   tiny = jnp.finfo(jnp.float32).tiny
+  if recompute:
+    p_of = lambda: jnp.square(g.astype(jnp.float32) / c)  # noqa: E731
+    vec_mat = lambda v: jnp.sum(v[:, None] * p_of(), axis=0)  # noqa: E731
+    mat_vec = lambda v: jnp.sum(p_of() * v[None, :], axis=1)  # noqa: E731
+  else:
+    p = jnp.square(g.astype(jnp.float32) / c)
+    vec_mat = lambda v: linalg.matmul(v, p)  # noqa: E731
+    mat_vec = lambda v: linalg.matmul(p, v)  # noqa: E731
 
   def body(_, sq):
     s, q = sq
-    s = linalg.matmul(q, p) / jnp.maximum(jnp.sum(q * q), tiny)
-    q = linalg.matmul(p, s) / jnp.maximum(jnp.sum(s * s), tiny)
+    s = vec_mat(q) / jnp.maximum(jnp.sum(q * q), tiny)
+    q = mat_vec(s) / jnp.maximum(jnp.sum(s * s), tiny)
     return s, q
 
   s, q = jax.lax.fori_loop(0, iters, body, (jnp.zeros((g.shape[1],), jnp.float32),
@@ -176,7 +188,7 @@ def report(row: dict, as_json: bool):
   if as_json:
     print(json.dumps(row), flush=True)
     return
-  what = f"{row['primitive']:32s} B{row['batch']:<3d} {row['shape']:>14s}"
+  what = f"{row['primitive']:40s} B{row['batch']:<3d} {row['shape']:>14s}"
   if "error" in row:
     print(f"{what}: {row['error']}", flush=True)
   else:
@@ -200,6 +212,11 @@ def main(argv=None):
   ap.add_argument("--jsonl", action="store_true")
   args = ap.parse_args(argv)
   weights, b, m, r, leading = shapes(args.preset)
+  # the refresh group first: a run cut at its time limit keeps what matters most
+  for name, fn, fargs in cases(b, m, r, leading):
+    shape = f"{m}x{m} r{r}" if "m x m" in name or "refresh" in name else (
+        f"{r}x{r}" if "r x r" in name else f"{m}x{r}")
+    report(measure(name, fn, fargs, b, shape, args.preset, args.reps), args.jsonl)
   gram = jax.vmap(refresh.Switch().operand)
   racs = jax.vmap(lambda g: two_sided_fixed_point(g, 5))
   for bw, mw, nw in weights:
@@ -208,10 +225,11 @@ def main(argv=None):
                      ("racs fixed point, 5 iters", racs),
                      ("racs fixed point by dots", jax.vmap(fixed_point_by_dots))):
       report(measure(name, fn, (g,), bw, f"{mw}x{nw}", args.preset, args.reps), args.jsonl)
-  for name, fn, fargs in cases(b, m, r, leading):
-    shape = f"{m}x{m} r{r}" if "m x m" in name or "refresh" in name else (
-        f"{r}x{r}" if "r x r" in name else f"{m}x{r}")
-    report(measure(name, fn, fargs, b, shape, args.preset, args.reps), args.jsonl)
+    g16 = g.astype(jnp.bfloat16)  # the gradient of a bfloat16 model, as training reads it
+    for name, fn in (("racs fixed point, bf16 G", racs),
+                     ("racs fixed point, bf16 G, P recomputed",
+                      jax.vmap(lambda x: fixed_point_by_dots(x, recompute=True)))):
+      report(measure(name, fn, (g16,), bw, f"{mw}x{nw}", args.preset, args.reps), args.jsonl)
 
 if __name__ == "__main__":
   main()

@@ -219,3 +219,17 @@ def test_primitives_jacobi_candidate_is_an_eigendecomposition(n):
   wn, vn = np.linalg.eigh(h)
   np.testing.assert_allclose(w, wn[::-1], rtol=1e-5, atol=1e-5 * wn[-1])
   np.testing.assert_allclose(np.abs(np.sum(np.asarray(v) * vn[:, ::-1], axis=0)), 1.0, atol=1e-4)
+
+
+def test_primitives_racs_candidates_compute_the_library_fixed_point():
+  """The RACS fixed-point variants that ``benchmarks/primitives.py`` times (products as
+  ``dot``; ``P`` recomputed from a bfloat16 gradient) give the library's ``(s, q)``."""
+  from benchmarks import primitives
+  from fisher_optax.blocks.two_sided import two_sided_fixed_point
+  g = jnp.asarray(np.random.default_rng(3).standard_normal((12, 20)), jnp.float32)
+  for x in (g, g.astype(jnp.bfloat16)):
+    want = two_sided_fixed_point(x, 5)
+    for recompute in (False, True):
+      got = primitives.fixed_point_by_dots(x, recompute=recompute)
+      np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+      np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
