@@ -198,6 +198,20 @@ def test_complement_of_a_full_basis_is_empty():
   assert fo.linalg.complement_columns(u, jnp.arange(0)).shape == (5, 0)
 
 
+def test_complement_of_a_bfloat16_or_non_finite_basis():
+  """A bfloat16 basis is read in float32 (the float32 result of the rounded basis); a
+  non-finite basis gives non-finite columns, which the refresh's guard replaces by the
+  previous basis (``tests/test_refresh.py``), never finite garbage."""
+  u = jnp.asarray(np.linalg.qr(np.random.default_rng(1).standard_normal((12, 4)))[0],
+                  jnp.bfloat16)
+  cols = jnp.arange(5)
+  got = fo.linalg.complement_columns(u, cols)
+  assert got.dtype == jnp.float32
+  np.testing.assert_array_equal(got, fo.linalg.complement_columns(u.astype(jnp.float32), cols))
+  bad = u.astype(jnp.float32).at[3, 1].set(jnp.nan)
+  assert not np.isfinite(np.asarray(fo.linalg.complement_columns(bad, cols))).all()
+
+
 def test_switching_refresh_of_a_tall_gradient_against_float64():
   """``m > n`` with switching: the leading columns span the top Ritz vectors of the
   float64 subspace iteration on ``Q = b3 U Q~ U^T + (1 - b3) G G^T`` (formed densely
