@@ -198,7 +198,7 @@ def cost_of(compiled) -> dict:
               unknown_trip_counts=extra["unknown_trip_counts"])
 
 
-def _with_constant_counts(state, count: int):
+def with_constant_counts(state, count: int):
   """A function of the state's arrays that rebuilds it with every step counter (a scalar
   integer leaf named ``count``) fixed to ``count``, a compile-time constant."""
   def is_counter(path, leaf):
@@ -217,7 +217,7 @@ def _with_constant_counts(state, count: int):
 def update_cost(tx, params, count: int) -> dict:
   """Cost of ``tx.update`` at the step whose counters read ``count``."""
   state = jax.eval_shape(tx.init, params)
-  rebuild = _with_constant_counts(state, count)
+  rebuild = with_constant_counts(state, count)
 
   def step(grads, state, params):
     return tx.update(grads, rebuild(state), params)
