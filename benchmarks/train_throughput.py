@@ -11,6 +11,11 @@ optimizer that has one (its state's step counters set to the refresh interval ``
 copies, since the step donates its inputs); the amortised throughput counts one refresh
 per ``K`` steps: ``tokens / (((K - 1) * ordinary + refresh) / K)``. Compilation is
 excluded (ahead-of-time).
+
+``--profile DIR`` then runs ``--steps`` more steps of each optimizer under the profiler
+and prints where the device's time goes (``benchmarks/kernel_profile.py``: busy and
+waiting time per step, time per kind of kernel, the largest kernels); the summaries are
+in the ``--json`` rows and in ``DIR/summary.json``, the raw traces are removed.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def main():
   ap.add_argument("--layout", default="auto", choices=("auto", "stacked", "per-leaf"),
                   help="stack_matrices of the fisher_optax optimizers (default: the library's)")
   ap.add_argument("--json", action="store_true")
+  ap.add_argument("--profile", default=None, metavar="DIR",
+                  help="also profile --steps steps of each optimizer into DIR")
   args = ap.parse_args()
   layout = {"auto": None, "stacked": True, "per-leaf": False}[args.layout]
   names = ["adam"] + [n for n in args.optimizers.split(",") if n and n != "adam"]
@@ -87,6 +94,25 @@ def main():
         t0 = time.perf_counter()
         jax.block_until_ready(r["step"](p2, s2, r["xs"], r["ys"]))
         r["refresh_times"].append(time.perf_counter() - t0)
+  profiles = {}
+  if args.profile:
+    import shutil
+
+    from benchmarks import kernel_profile
+    for name in names:
+      r = runs[name]
+
+      def run(r=r):
+        r["params"], r["state"], loss = r["step"](r["params"], r["state"], r["xs"], r["ys"])
+        return loss
+      log_dir = str(pathlib.Path(args.profile) / name)
+      profiles[name] = kernel_profile.profile(run, steps=args.steps, log_dir=log_dir)
+      shutil.rmtree(log_dir, ignore_errors=True)
+      print("\n".join(kernel_profile.format_summary(name, profiles[name])),
+            file=sys.stderr if args.json else sys.stdout, flush=True)
+    pathlib.Path(args.profile).mkdir(parents=True, exist_ok=True)
+    (pathlib.Path(args.profile) / "summary.json").write_text(json.dumps(profiles, indent=2))
+
   def speeds(r):
     ordinary = statistics.median(r["times"])
     refresh = statistics.median(r["refresh_times"]) if r["refresh_times"] else ordinary
@@ -103,7 +129,8 @@ def main():
                     ratio_to_adam=tps / adam_tps, refresh_step_ms=1e3 * refresh,
                     interval=r["interval"], amortised_tokens_per_s=amort,
                     amortised_ratio_to_adam=amort / adam_amort, compile_s=r["compile_s"],
-                    step_ms=1e3 * statistics.median(r["times"])))
+                    step_ms=1e3 * statistics.median(r["times"]),
+                    profile=profiles.get(name)))
     if not args.json:
       print(f"{name:10s} {tps:9,.0f} tok/s  {tps / adam_tps:6.1%} of Adam  "
             f"step {1e3 * statistics.median(r['times']):7.1f} ms  "

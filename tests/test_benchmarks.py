@@ -164,12 +164,16 @@ def test_device_check_smoke_writes_every_part(tmp_path):
                                                             ("racs", "per-leaf")}
   assert all(r["ratio_ordinary"] > 0 and r["compile_s"] > 0 for r in steps)
   assert [r["optimizer"] for r in data["parts"]["train"]][0] == "adam"
+  profiled = {r["optimizer"]: r for r in data["parts"]["train_profile"]}
+  assert set(profiled) == {"adam", "racs"}
+  assert all(r["kernels_per_step"] > 0 and r["wall_ms"] > 0 for r in profiled.values())
+  assert not (tmp_path / "trace-tmp").exists()  # raw traces are not kept
   assert data["parts"]["precision"][0]["matmul_precision"] == "tensorfloat32"
   prim = {r["primitive"]: r for r in data["parts"]["primitives"]}
   assert prim["alice refresh_from (switching)"]["ms"] > 0 and "cholesky_qr m x r" in prim
   text = md.read_text()
   for heading in ("Test suite", "Update step", "Training step", "Matmul precision",
-                  "refresh's factorizations"):
+                  "refresh's factorizations", "device time goes"):
     assert heading in text
 
 
