@@ -32,6 +32,7 @@ from fisher_optax.parallel.sharding import state_partition_specs, state_sharding
 from fisher_optax.refresh import (SubspaceRefresh, SvdRefresh, Switch, subspace_refresh,
                                   svd_refresh, switch)
 from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
+from fisher_optax.stacking import convert_state_layout
 
 __all__ = [
     # named optimizers
@@ -54,5 +55,5 @@ __all__ = [
     "DimsRule", "EquinoxDims", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
     "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
     "paper_state_numbers", "state_bytes", "state_numbers", "state_partition_specs",
-    "state_shardings", "with_auto_axes",
+    "state_shardings", "with_auto_axes", "convert_state_layout",
 ]

@@ -87,9 +87,9 @@ _COMMON_ARGS = """\
       stacked where ``jax.default_backend()`` is a GPU or TPU when the optimizer is
       built, per-leaf on CPU, as measured faster on each). The price: the update holds
       a transient copy of the routed matrix gradients (XLA temporary memory;
-      +350-650 MiB on the 130M LLaMA). Checkpoints of the two layouts are not
-      interchangeable: a state of the other layout is a ``ValueError`` that says
-      which ``stack_matrices`` continues it.
+      +350-650 MiB on the 130M LLaMA). A state of the other layout is a
+      ``ValueError`` that says which ``stack_matrices`` continues it;
+      :func:`fisher_optax.convert_state_layout` converts it.
       Matrices that draw random numbers (switching, APOLLO) get other draws.
     fallback: transformation for the other leaves (default
       ``optax.adam(fallback_learning_rate)`` run in float32), e.g.

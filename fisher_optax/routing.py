@@ -341,7 +341,8 @@ def check_state(init: Callable[[Any], Any], updates: Any, state: Any, name: str)
         f"uses the {layout(stacked_want)} layout. The default stack_matrices='auto' stacks "
         "on GPU and TPU and not on CPU, so a state saved on one backend does not fit an "
         f"optimizer built on the other: build it with stack_matrices={stacked_got} to "
-        "continue this state (same updates, either layout runs on every backend).")
+        "continue this state (same updates, either layout runs on every backend), or "
+        "convert the state with fo.convert_state_layout(state, optimizer, params).")
   for (pw, w), (pg, g) in zip(want, got):
     if pw != pg or masked(w) != masked(g):
       raise ValueError(f"{name}: the optimizer state does not fit these updates: the state "

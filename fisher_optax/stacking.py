@@ -231,3 +231,147 @@ def stack_matrices(inner: optax.GradientTransformation, *,
     return unstack(p, new), StackMatricesState(inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ------------------------------------------------------------ converting a state's layout
+
+
+def _one_level(x: Any):
+  """``(children, treedef)`` of the root of ``x`` only (its children kept whole)."""
+  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+
+
+def _is_leaf_node(treedef) -> bool:
+  return treedef.num_nodes == 1 and treedef.num_leaves == 1
+
+
+def _groups_of(node: Any, plans: list):
+  """The plan whose groups are exactly the keys of the dict ``node`` (a stacked
+  layout's arrays of one statistic), else ``None``."""
+  if not isinstance(node, dict) or not node:
+    return None
+  return next((pl for pl in plans if set(node) == set(pl[1].groups)), None)
+
+
+def _to_stacked(per_leaf: Any, template: dict, plan_of) -> dict:
+  """One statistic: per-leaf arrays (``per_leaf``: the masked parameter tree) -> one
+  ``(k, ...)`` array per group, members concatenated in the plan's order (a member's
+  entry may be a subtree, e.g. ``None`` for a side a block leaves alone)."""
+  rec, p, index = plan_of
+  entries = jax.tree_util.tree_structure(rec.params).flatten_up_to(per_leaf)
+
+  def group(t, *xs):
+    parts = [jnp.reshape(x, (p.views[j].num_matrices,) + t.shape[1:]).astype(t.dtype)
+             for j, x in zip(members, xs)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+  out = {}
+  for name, members in p.groups.items():
+    out[name] = jax.tree.map(group, template[name], *[entries[index[j]] for j in members])
+  return out
+
+
+def _to_per_leaf(stacked: dict, template: Any, plan_of) -> Any:
+  """Inverse of :func:`_to_stacked`: each member's rows of its group, in its own shape."""
+  rec, p, index = plan_of
+  treedef = jax.tree_util.tree_structure(rec.params)
+  entries = treedef.flatten_up_to(template)
+
+  def member(x, t, start, num):
+    if num != x.shape[0]:
+      x = jax.lax.slice_in_dim(x, start, start + num, axis=0)
+    return jnp.reshape(x, t.shape).astype(t.dtype)
+
+  for j, (name, start, num) in enumerate(p.slots):
+    entries[index[j]] = jax.tree.map(lambda x, t: member(x, t, start, num),
+                                     stacked[name], entries[index[j]])
+  return treedef.unflatten(entries)
+
+
+def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
+  """``src`` brought to the layout of ``tpl`` (its abstract twin in the target layout),
+  walking both trees together."""
+  where = jax.tree_util.keystr(path) or "the state"
+  if isinstance(tpl, StackMatricesState) or isinstance(src, StackMatricesState):
+    inner = lambda x: x.inner if isinstance(x, StackMatricesState) else x  # noqa: E731
+    out = _convert(inner(src), inner(tpl), plans, path)
+    return StackMatricesState(out) if isinstance(tpl, StackMatricesState) else out
+  plan_tpl, plan_src = _groups_of(tpl, plans), _groups_of(src, plans)
+  if plan_tpl is not None and plan_src is None:
+    return _to_stacked(src, tpl, plan_tpl)
+  if plan_src is not None and plan_tpl is None:
+    return _to_per_leaf(src, tpl, plan_src)
+  src_children, src_def = _one_level(src)
+  tpl_children, tpl_def = _one_level(tpl)
+  if _is_leaf_node(tpl_def):
+    if not _is_leaf_node(src_def) or tuple(jnp.shape(src)) != tuple(tpl.shape):
+      raise ValueError(
+          f"convert_state_layout: {where} is {_describe(src)} in the given state but "
+          f"{_describe(tpl)} for the target optimizer: the state is not one of this "
+          "optimizer's (other hyperparameters, another parameter tree?)")
+    return src if jnp.result_type(src) == tpl.dtype else jnp.asarray(src, tpl.dtype)
+  if src_def.node_data() != tpl_def.node_data() or len(src_children) != len(tpl_children):
+    raise ValueError(
+        f"convert_state_layout: {where} is {_describe(src)} in the given state but "
+        f"{_describe(tpl)} for the target optimizer: the state is not one of this "
+        "optimizer's (other hyperparameters, another parameter tree?)")
+  keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(
+      tpl, is_leaf=lambda y: y is not tpl)[0]]
+  return tpl_def.unflatten([_convert(s, t, plans, path + k)
+                            for s, t, k in zip(src_children, tpl_children, keys)])
+
+
+def _describe(x: Any) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, tuple):
+    return f"an array of shape {tuple(x.shape)}"
+  return f"a {type(x).__name__}"
+
+
+def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: Any) -> Any:
+  """``state`` of a named optimizer (alone or inside ``optax.chain``,
+  ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.partition``...) saved in one
+  ``stack_matrices`` layout, converted to the layout of ``tx``: the same optimizer
+  with the same hyperparameters, built with the other ``stack_matrices``.
+
+  The statistics are moved, not recomputed: a stacked array ``(k, ...)`` of a group
+  holds its members' per-leaf arrays, each reshaped to ``(matrices, ...)``, in the order
+  of :func:`plan`; converting back and forth returns the state unchanged, and the next
+  update equals the one of the layout the state came from (to float32 rounding, as
+  between the layouts' updates). Counters, keys and the fallback's state are kept. A
+  state already in ``tx``'s layout is returned as it is. The draws of the methods that
+  draw random numbers per matrix (switching, APOLLO) continue as the target layout draws
+  them.
+
+  This is what a checkpoint needs when it moves between backends: ``stack_matrices``'
+  default ``"auto"`` stacks on GPU and TPU and not on CPU. Restore it with the
+  abstract state of the layout it was saved in, then convert::
+
+    saved_tx = fo.racs(lr, stack_matrices=True)     # the layout of the checkpoint
+    state = checkpointer.restore(path, jax.eval_shape(saved_tx.init, params))
+    state = fo.convert_state_layout(state, fo.racs(lr, stack_matrices=False), params)
+
+  Args:
+    state: the optimizer state in either layout (arrays; under ``jax.jit`` tracers).
+    tx: the transformation that will continue it.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    The state in ``tx``'s layout, with the structure, shapes and dtypes of
+    ``tx.init(params)``. Arrays keep their values; place them with
+    :func:`fisher_optax.state_shardings` when the layout's sharding matters.
+
+  Raises:
+    ValueError: ``tx`` holds no named optimizer, or ``state`` is not a state of ``tx``
+      in either layout (the message names the first leaf that differs).
+  """
+  with routing.record_routed_inits() as found:
+    # a new function each call: a trace jax cached would not run the recording inits
+    template = jax.eval_shape(lambda p: tx.init(p), params)
+  if not found:
+    raise ValueError("convert_state_layout: tx holds no fisher_optax named optimizer "
+                     "(fo.racs, fo.alice, ...), so it has no stack_matrices layout")
+  plans = []
+  for rec in found:
+    p, index = plan_routed(rec.params, rec.labels, rec.routed.dims)
+    plans.append((rec, p, index))
+  return _convert(state, template, plans, ())

@@ -393,3 +393,20 @@ def test_an_unknown_declared_role_is_an_error():
   with pytest.raises(ValueError, match="diagonal"):
     fo.state_partition_specs(_block(Bad, lambda s, f: s), {"w": jnp.zeros((4, 8))},
                              {"w": P()})
+
+
+def test_a_sharded_state_converted_to_the_other_layout_continues_on_the_mesh():
+  """A stacked state trained on the mesh, converted to the per-leaf layout and placed
+  with that layout's shardings, continues as the stacked run does."""
+  kw = _kw("racs")
+  stacked, per_leaf = (fo.racs(0.01, stack_matrices=s, **kw) for s in (True, False))
+  mesh = _mesh()
+  want, _ = _run(stacked, 5)
+  p2, s2 = _run(stacked, 2, mesh=mesh)
+  moved = fo.convert_state_layout(s2, per_leaf, p2)
+  got, state = _run(per_leaf, 3, mesh=mesh, params=p2, state=moved, start=2)
+  _close_updates(got, want, "stacked -> per-leaf on the mesh")
+  specs = fo.state_partition_specs(per_leaf, _params(), SPECS)
+  for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(
+      specs, is_leaf=lambda s: isinstance(s, P))):
+    assert x.sharding.spec == spec

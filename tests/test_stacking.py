@@ -154,3 +154,122 @@ def test_a_state_of_the_other_layout_names_the_setting_that_continues_it(saved):
     other.update(grads, state, params)
   # the layout it names continues the state
   fo.racs(1e-2, stack_matrices=saved).update(grads, state, params)
+
+
+# ------------------------------------------------------------ converting a checkpoint
+
+
+def _same(a, b):
+  return jax.tree.all(jax.tree.map(
+      lambda x, y: x.dtype == y.dtype and x.shape == y.shape and bool(jnp.array_equal(x, y)),
+      a, b))
+
+
+def _close_updates(a, b, name, t):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    tol = 1e-2 if "up" in jax.tree_util.keystr(path) else 1e-4  # bfloat16 rounding
+    assert np.linalg.norm(x - y) <= tol * np.linalg.norm(x) + 1e-12, (name, t, path)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+@pytest.mark.parametrize("name", registry.params(
+    [n for n in registry.NAMES if n not in registry.RANDOM], default=["racs", "alice"]))
+def test_a_converted_state_continues_as_in_the_layout_it_was_saved_in(name, saved):
+  """3 steps in one layout, the state converted, 3 more in the other: the updates of the
+  last 3 are those of 6 steps in the first layout (refreshes at 1, 3, 5 cross it)."""
+  params = _params()
+  kw = registry.kwargs(name, draw_free=True)
+  source, target = _build(name, kw, saved, params), _build(name, kw, not saved, params)
+  reference, _ = _run(source, params, steps=6)
+  state, step = source.init(params), jax.jit(source.update)
+  p = params
+  for t in range(3):
+    u, state = step(grads_at(p, t), state, p)
+    p = optax.apply_updates(p, u)
+  state = fo.convert_state_layout(state, target, params)
+  assert jax.tree.structure(state) == jax.tree.structure(target.init(params))
+  step = jax.jit(target.update)
+  for t in range(3, 6):
+    u, state = step(grads_at(p, t), state, p)
+    p = optax.apply_updates(p, u)
+    _close_updates(reference[t], u, name, t)
+
+
+@pytest.mark.parametrize("name", registry.params(
+    registry.NAMES, default=["alice", "apollo", "soap"]))
+def test_converting_there_and_back_returns_the_state(name):
+  """Every named optimizer, random draws included: per-leaf -> stacked -> per-leaf and
+  stacked -> per-leaf -> stacked give back the very arrays; a state already in the
+  target's layout is returned as it is."""
+  params = _params()
+  kw = registry.kwargs(name)
+  per_leaf, stacked = _build(name, kw, False, params), _build(name, kw, True, params)
+  for tx, other in ((per_leaf, stacked), (stacked, per_leaf)):
+    _, state = _run(tx, params, steps=2)
+    moved = fo.convert_state_layout(state, other, params)
+    assert jax.tree.structure(moved) == jax.tree.structure(other.init(params))
+    assert _same(fo.convert_state_layout(moved, tx, params), state)
+    assert _same(fo.convert_state_layout(state, tx, params), state)
+
+
+def test_a_group_holds_its_members_in_plan_order():
+  """The stacked array of a group is its members' per-leaf arrays, one row per matrix:
+  ``layers/*/q`` holds layer 0, 1, 2; the routed ``(2, 8, 5)`` stack gives two rows."""
+  params = _params()
+  per_leaf, stacked = _build("racs", {}, False, params), _build("racs", {}, True, params)
+  _, state = _run(per_leaf, params, steps=2)
+  moved = fo.convert_state_layout(state, stacked, params)
+  s_leaf = state.inner_states["structured"].inner_state[0].s
+  s_stack = moved.inner_states["structured"].inner_state.inner[0].s
+  for i in range(LAYERS):
+    np.testing.assert_array_equal(s_stack["layers/*/q 6x10"][i], s_leaf["layers"][i]["q"])
+  np.testing.assert_array_equal(s_stack["stack 8x5"], s_leaf["stack"])
+
+
+def test_conversion_sees_through_wrappers():
+  """Inside ``inject_hyperparams``, ``MultiSteps`` and a chain, as ``describe`` does."""
+  params = _params()
+  dims = _dims(params)
+
+  def build(stack):
+    inner = fo.inject_hyperparams(fo.racs)(learning_rate=0.01, dims=dims,
+                                           stack_matrices=stack)
+    return optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), inner), 2)
+
+  source, target = build(True), build(False)
+  state = source.init(params)
+  state, _ = jax.jit(source.update)(grads_at(params, 0), state, params)[::-1]
+  moved = fo.convert_state_layout(state, target, params)
+  assert jax.tree.structure(moved) == jax.tree.structure(target.init(params))
+  jax.jit(target.update)(grads_at(params, 1), moved, params)
+  assert _same(fo.convert_state_layout(moved, source, params), state)
+
+
+def test_conversion_errors_name_the_problem():
+  params = _params()
+  state = _build("racs", {}, True, params).init(params)
+  with pytest.raises(ValueError, match="holds no fisher_optax named optimizer"):
+    fo.convert_state_layout(state, optax.adam(1e-3), params)
+  other = {"layers": {i: {"q": jnp.zeros((6, 10))} for i in range(LAYERS)}}
+  with pytest.raises(ValueError, match=r"convert_state_layout: .* not one of this optimizer"):
+    fo.convert_state_layout(state, _build("alice", {"rank": 2}, False, params), params)
+  with pytest.raises(ValueError, match="convert_state_layout"):
+    fo.convert_state_layout(state, fo.racs(0.01, stack_matrices=False), other)
+
+
+def test_a_checkpoint_saved_stacked_restores_per_leaf(tmp_path):
+  """The documented way across backends: orbax restores with the saved layout's
+  abstract state, then the state is converted and training goes on."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = _params()
+  saved_tx, tx = _build("racs", {}, True, params), _build("racs", {}, False, params)
+  _, state = _run(saved_tx, params, steps=2)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "state", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "state", jax.eval_shape(saved_tx.init, params))
+  moved = fo.convert_state_layout(restored, tx, params)
+  u, _ = jax.jit(tx.update)(grads_at(params, 2), moved, params)
+  assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.all(jnp.isfinite(x))), u))
