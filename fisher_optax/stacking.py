@@ -335,7 +335,7 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
 
   The statistics are moved, not recomputed: a stacked array ``(k, ...)`` of a group
   holds its members' per-leaf arrays, each reshaped to ``(matrices, ...)``, in the order
-  of :func:`plan`; converting back and forth returns the state unchanged, and the next
+  of the parameters' leaves; converting back and forth returns the state unchanged, and the next
   update equals the one of the layout the state came from (to float32 rounding, as
   between the layouts' updates). Counters, keys and the fallback's state are kept. A
   state already in ``tx``'s layout is returned as it is. The draws of the methods that

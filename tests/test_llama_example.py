@@ -100,6 +100,22 @@ def test_resume_equals_uninterrupted_run(tmp_path, cache):
 
 
 @pytest.mark.example
+def test_resume_in_the_other_layout_equals_uninterrupted_run(tmp_path, cache):
+  """A checkpoint saved stacked (a GPU's default) resumed per-leaf (a CPU's): the state
+  is converted and the run ends where the uninterrupted stacked run does."""
+  stacked = ["--optimizer", "racs", "--hparams", '{"stack_matrices": true}']
+  per_leaf = ["--optimizer", "racs", "--hparams", '{"stack_matrices": false}']
+  full = train.run(_args(tmp_path / "full", cache, *stacked), log=lambda *_: None)
+  train.run(_args(tmp_path / "cut", cache, *stacked, "--stop-after", "4"),
+            log=lambda *_: None)
+  said = []
+  resumed = train.run(_args(tmp_path / "cut", cache, *per_leaf, "--resume"), log=said.append)
+  assert any("converted" in str(m) for m in said)
+  for x, y in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(resumed["params"])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.example
 def test_compare_writes_summary_and_plot(tmp_path, cache):
   compare.main(["--preset", "tiny", "--optimizers", "adam,galore", "--steps", "4",
                 "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",

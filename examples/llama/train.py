@@ -136,14 +136,20 @@ def build(args) -> Setup:
   graphdef, params = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(args.seed))),
                                nnx.Param)
   lr = args.lr if args.lr is not None else presets.default_lr(args.preset, args.optimizer)
-  head = {"auto": None, "adam": True, "structured": False}[args.lm_head]
-  hparams = json.loads(args.hparams) if getattr(args, "hparams", None) else {}
-  tx = presets.make_optimizer(args.optimizer, args.preset, lr_schedule(lr, args.steps),
-                              lm_head_on_adam=head, params=params, **hparams)
+  tx = make_tx(args, params, lr)
   bs = args.batch_size or BATCH[args.preset]
   if bs % args.grad_accum:
     raise ValueError(f"--batch-size {bs} is not divisible by --grad-accum {args.grad_accum}")
   return Setup(cfg, corpus, graphdef, params, tx, bs, lr)
+
+
+def make_tx(args, params, lr: float, **override) -> optax.GradientTransformation:
+  """The run's optimizer (``--optimizer``, ``--hparams``, ``--lm-head``), keywords in
+  ``override`` replacing those of ``--hparams``."""
+  head = {"auto": None, "adam": True, "structured": False}[args.lm_head]
+  hparams = json.loads(args.hparams) if getattr(args, "hparams", None) else {}
+  return presets.make_optimizer(args.optimizer, args.preset, lr_schedule(lr, args.steps),
+                                lm_head_on_adam=head, params=params, **{**hparams, **override})
 
 
 def init_params(setup: Setup, seed: int, shardings=None):
@@ -208,6 +214,25 @@ class Checkpoints:
     got = self.mgr.restore(self.mgr.latest_step(), args=self.ocp.args.StandardRestore(abstract))
     return got["params"], got["opt_state"], int(got["data_step"])
 
+  def restore_any_layout(self, params, opt_state, tx, other_tx, other_shardings=None):
+    """:meth:`restore`; a checkpoint of the optimizer's other ``stack_matrices`` layout
+    (saved on a backend whose ``"auto"`` chose the other one) is restored in its own
+    layout (``other_tx``'s, on ``other_shardings`` under a mesh) and converted with
+    ``fo.convert_state_layout``. Returns ``(params, opt_state, step, converted)``."""
+    try:
+      return (*self.restore(params, opt_state), False)
+    except ValueError as e:
+      if other_tx is None or "structure" not in str(e).lower():
+        raise
+    shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), opt_state)
+    saved = jax.eval_shape(other_tx.init, params)
+    if other_shardings is not None:
+      saved = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                           saved, other_shardings)
+    params, state, step = self.restore(params, saved)
+    state = fo.convert_state_layout(state, tx, params)
+    return params, jax.device_put(state, shardings), step, True
+
 
 def _read_metrics(path: pathlib.Path, upto: int) -> list[dict]:
   if not path.exists():
@@ -254,7 +279,16 @@ def run(args, *, log=print) -> dict:
 
   start, rows, wall = 0, [], 0.0
   if args.resume and ckpt.latest() is not None:
-    params, opt_state, start = ckpt.restore(params, opt_state)
+    other = (make_tx(args, setup.params, setup.lr,
+                     stack_matrices=not fo.stacking.is_stacked(setup.tx))
+             if isinstance(setup.tx, fo.routing.RoutedTransformation) else None)
+    other_sh = (fo.state_shardings(other, setup.params, specs, mesh)
+                if other is not None and mesh is not None else None)
+    params, opt_state, start, converted = ckpt.restore_any_layout(params, opt_state,
+                                                                  setup.tx, other, other_sh)
+    if converted:
+      log("the checkpoint's optimizer state was in the other stack_matrices layout: "
+          "converted with fo.convert_state_layout")
     rows = _read_metrics(out / "metrics.csv", start)
     wall = float(rows[-1]["wall_s"]) if rows else 0.0
     log(f"resumed from step {start}")
