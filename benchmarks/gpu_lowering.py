@@ -413,16 +413,17 @@ def step_counts(name: str, preset: str) -> dict:
 
 
 def audit_optimizer(name: str, preset: str, *, layout: str = "stacked",
-                    platform: str = "cuda", count=None) -> Audit:
+                    platform: str = "cuda", count=None, hparams: dict | None = None) -> Audit:
   """The GPU audit of ``name``'s update at ``preset``'s shapes (``layout``: ``stacked``,
   the library's default on GPUs, or ``per-leaf``). With ``count`` every step counter of
   the state is that constant, so the program is the one of that step: refresh
-  conditionals fold to the branch it takes, as XLA folds them."""
+  conditionals fold to the branch it takes, as XLA folds them. ``hparams``: keywords of
+  a fisher_optax optimizer (e.g. ``refresh="power_qr"``)."""
   from benchmarks import cost_model, step_time
   params, _ = step_time.abstract_params(preset)
   kw = {}
   if step_time._ours(name):  # noqa: SLF001 -- the benchmarks' own helper
-    kw["stack_matrices"] = step_time.LAYOUTS[layout]
+    kw = dict(hparams or {}, stack_matrices=step_time.LAYOUTS[layout])
   tx = step_time.build(name, preset, **kw)
   state = jax.eval_shape(tx.init, params)
   if count is None:
@@ -460,21 +461,26 @@ def main(argv=None):
   ap.add_argument("--layout", default="stacked", choices=("stacked", "per-leaf"))
   ap.add_argument("--platform", default="cuda")
   ap.add_argument("--json", default=None, help="write the rows here")
+  ap.add_argument("--hparams", type=json.loads, default=None,
+                  help='keywords for every fisher_optax optimizer, e.g. \'{"refresh": '
+                       '"power_qr"}\'')
   args = ap.parse_args(argv)
   rows = []
   print(f"# {args.preset}, {args.layout}, lowered for {args.platform} "
-        f"(jax {jax.__version__})")
-  where = dict(preset=args.preset, layout=args.layout, platform=args.platform)
+        f"(jax {jax.__version__})" + (f", {json.dumps(args.hparams)}" if args.hparams else ""))
+  where = dict(preset=args.preset, layout=args.layout, platform=args.platform,
+               hparams=args.hparams)
   for name in args.optimizers.split(","):
     # the program as it trains: step counters are run-time values
-    program = audit_optimizer(name, args.preset, layout=args.layout, platform=args.platform)
+    program = audit_optimizer(name, args.preset, layout=args.layout, platform=args.platform,
+                              hparams=args.hparams)
     print(_format_program(program), flush=True)
     rows.append(dict(program.row(), step="program", count=None, **where))
     # each kind of step alone: its conditionals folded to the branch it takes
     counts = step_counts(name, args.preset) if program.syncs_at_refresh else {"ordinary": 0}
     for step, count in counts.items():
       audit = audit_optimizer(name, args.preset, layout=args.layout,
-                              platform=args.platform, count=count)
+                              platform=args.platform, count=count, hparams=args.hparams)
       print("\n".join(_format_step(audit, step)), flush=True)
       rows.append(dict(audit.row(), step=step, count=count, **where))
   if args.json:

@@ -79,11 +79,12 @@ def interval_of(name: str, preset: str) -> int:
       name, presets.LOW_RANK[preset][2])
 
 
-def setup(name: str, preset: str, stack_matrices="auto"):
-  """``stack_matrices``: ``True``, ``False`` or ``"auto"`` (the library's default)."""
+def setup(name: str, preset: str, stack_matrices="auto", hparams: dict | None = None):
+  """``stack_matrices``: ``True``, ``False`` or ``"auto"`` (the library's default);
+  ``hparams``: keywords of a fisher_optax optimizer (ignored for Adam and the peers)."""
   cfg = presets.model_config(preset)
   params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
-  kw = dict(stack_matrices=stack_matrices) if _ours(name) else {}
+  kw = dict(hparams or {}, stack_matrices=stack_matrices) if _ours(name) else {}
   tx = build(name, preset, **kw)
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(1), p.shape, p.dtype) * 1e-2,
                        params)
@@ -203,6 +204,9 @@ def main():
                        "default 'auto' (stacked on GPU/TPU, per-leaf on CPU), or fixed")
   ap.add_argument("--jsonl", action="store_true",
                   help="print each optimizer's result as one JSON line when it is measured")
+  ap.add_argument("--hparams", type=json.loads, default=None,
+                  help='keywords for every fisher_optax optimizer, e.g. \'{"refresh": '
+                       '"power_qr"}\' (timing runs only)')
   args = ap.parse_args()
   args.stack_matrices = True if args.stack_matrices else LAYOUTS[args.layout]
   names = [n for n in args.optimizers.split(",") if n]
@@ -215,7 +219,7 @@ def main():
   results = []
   for name in names:
     r = measure(name, args.preset, reps=args.reps, refresh_reps=args.refresh_reps,
-                stack_matrices=args.stack_matrices, adam=adam)
+                stack_matrices=args.stack_matrices, adam=adam, hparams=args.hparams)
     results.append(r)
     if args.jsonl:
       print(json.dumps(r), flush=True)
@@ -229,11 +233,11 @@ def main():
 
 
 def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
-            stack_matrices="auto", adam=None) -> dict:
+            stack_matrices="auto", adam=None, hparams: dict | None = None) -> dict:
   """Times ``name``'s update on an ordinary and a refresh step in rounds interleaved with
   Adam's (medians); ratios to Adam's update, amortised over the refresh interval."""
   adam = adam or setup("adam", preset)
-  step, grads, state, params, compile_s = setup(name, preset, stack_matrices)
+  step, grads, state, params, compile_s = setup(name, preset, stack_matrices, hparams)
   k = interval_of(name, preset)
   # states just before an ordinary step (count 1) and just before a refresh (count k)
   ordinary_state = state
@@ -247,6 +251,7 @@ def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
   a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
   amort = ((k - 1) * o + r) / k
   return dict(optimizer=name, preset=preset, stack_matrices=stack_matrices,
+              hparams=hparams if _ours(name) else None,
               stacked=bool(_ours(name) and stacking.resolve(stack_matrices)),
               matmul_precision=str(jax.config.jax_default_matmul_precision),
               backend=jax.default_backend(), adam_ms=a * 1e3, ordinary_ms=o * 1e3,

@@ -307,11 +307,12 @@ def make(name, m, n, **kw):
 class EigenAdamRef:
   """Paper App. Alg. "Alice-C/AdaDiag/one-side SOAP" (first moment in the original space)."""
 
-  def __init__(self, m, n, *, lr, interval, b1=0.9, b2=0.9, b3=0.999, eps=1e-8):
+  def __init__(self, m, n, *, lr, interval, b1=0.9, b2=0.9, b3=0.999, eps=1e-8,
+               refresh="eigh"):
     assert m <= n
     self.Q, self.mom = np.zeros((m, m)), np.zeros((m, n))
     self.v, self.U, self.t = np.zeros((m, n)), None, 0
-    self.kw = dict(lr=lr, interval=interval, b1=b1, b2=b2, b3=b3, eps=eps)
+    self.kw = dict(lr=lr, interval=interval, b1=b1, b2=b2, b3=b3, eps=eps, refresh=refresh)
 
   def step(self, g, pick=None):
     k = self.kw
@@ -319,7 +320,12 @@ class EigenAdamRef:
     self.Q = k["b3"] * self.Q + (1 - k["b3"]) * g @ g.T
     self.mom = k["b1"] * self.mom + (1 - k["b1"]) * g
     if (self.t - 1) % k["interval"] == 0:
-      self.U = eig_desc(self.Q)[1]
+      if self.U is None or k["refresh"] == "eigh":
+        self.U = eig_desc(self.Q)[1]
+      else:  # SOAP's refresh: sort by the Rayleigh quotients, one power step, V follows
+        idx = np.argsort(-np.diag(self.U.T @ self.Q @ self.U), kind="stable")
+        self.v = self.v[idx]
+        self.U = np.linalg.qr(self.Q @ self.U[:, idx])[0]
     mt = self.U.T @ self.mom
     self.v = k["b2"] * self.v + (1 - k["b2"]) * (self.U.T @ g) ** 2
     return -k["lr"] * self.U @ (mt / (np.sqrt(self.v) + k["eps"]))
@@ -401,17 +407,24 @@ def mpow(a, p):
 class ShampooRef:
   """Paper App. Alg. "Shampoo" with inverse roots recomputed every ``interval`` steps."""
 
-  def __init__(self, m, n, *, lr, eps=1e-6, interval=10):
+  def __init__(self, m, n, *, lr, eps=1e-6, interval=10, refresh="eigh"):
     self.L, self.R = eps * np.eye(m), eps * np.eye(n)
-    self.t = 0
-    self.kw = dict(lr=lr, interval=interval)
+    self.t, self.U = 0, None
+    self.kw = dict(lr=lr, interval=interval, refresh=refresh)
 
   def step(self, g, pick=None):
     self.t += 1
     self.L = self.L + g @ g.T
     self.R = self.R + g.T @ g
     if (self.t - 1) % self.kw["interval"] == 0:
-      self.Lr, self.Rr = mpow(self.L, -0.25), mpow(self.R, -0.25)
+      if self.U is None or self.kw["refresh"] == "eigh":
+        self.Lr, self.Rr = mpow(self.L, -0.25), mpow(self.R, -0.25)
+        self.U = [eig_desc(self.L)[1], eig_desc(self.R)[1]]
+      else:  # one power step on the sorted old basis; Rayleigh quotients as eigenvalues
+        self.U = [np.linalg.qr(a @ u[:, np.argsort(-np.diag(u.T @ a @ u), kind="stable")])[0]
+                  for a, u in zip((self.L, self.R), self.U)]
+        self.Lr, self.Rr = [(u * np.diag(u.T @ a @ u) ** -0.25) @ u.T
+                            for a, u in zip((self.L, self.R), self.U)]
     return -self.kw["lr"] * self.Lr @ g @ self.Rr
 
 

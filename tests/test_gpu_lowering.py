@@ -152,3 +152,22 @@ def test_gpu_lowering_script_runs(tmp_path):
   # (per-step rows: every call of that step's program counts as "every step")
   assert soap["first"]["solver_calls_every_step"] > soap["refresh"]["solver_calls_every_step"]
   assert all("potrf" in d["target"] for d in soap["refresh"]["decompositions"])
+
+
+@pytest.mark.parametrize("name", ["eigen_adam", "shampoo"])
+def test_power_qr_refresh_runs_no_eigh_after_the_first_on_gpu(name):
+  """``refresh="power_qr"``: the exact eigh at the first refresh (one call per matrix on
+  a GPU above 32 x 32), later refreshes one batched Cholesky factor per shape; the
+  default ``"eigh"`` loops eigh at every refresh."""
+  refresh = gl.step_counts(name, "tiny")["refresh"]
+  calls = lambda a: {(d.target, d.execution) for d in a.decompositions}  # noqa: E731
+  pqr = dict(hparams=dict(refresh="power_qr"))
+  # "single": a shape with one matrix (the output layer's side)
+  first = calls(gl.audit_optimizer(name, "tiny", count=0, **pqr))
+  assert ("cusolver_syevd_ffi", "per matrix") in first
+  assert first <= {("cusolver_syevd_ffi", "per matrix"), ("cusolver_syevd_ffi", "single")}
+  later = calls(gl.audit_optimizer(name, "tiny", count=refresh, **pqr))
+  assert ("cusolver_potrf_ffi", "batched") in later
+  assert later <= {("cusolver_potrf_ffi", "batched"), ("cusolver_potrf_ffi", "single")}
+  assert ("cusolver_syevd_ffi", "per matrix") in calls(
+      gl.audit_optimizer(name, "tiny", count=refresh))
