@@ -297,10 +297,15 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
     out = _convert(inner(src), inner(tpl), plans, path)
     return StackMatricesState(out) if isinstance(tpl, StackMatricesState) else out
   plan_tpl, plan_src = _groups_of(tpl, plans), _groups_of(src, plans)
-  if plan_tpl is not None and plan_src is None:
-    return _to_stacked(src, tpl, plan_tpl)
-  if plan_src is not None and plan_tpl is None:
-    return _to_per_leaf(src, tpl, plan_src)
+  if (plan_tpl is None) != (plan_src is None):
+    try:
+      return (_to_stacked(src, tpl, plan_tpl) if plan_tpl is not None
+              else _to_per_leaf(src, tpl, plan_src))
+    except (ValueError, TypeError, KeyError) as e:
+      raise ValueError(
+          f"convert_state_layout: {where} does not hold the matrices of the target "
+          "optimizer's parameters in either layout: the state is not one of this "
+          f"optimizer's (other hyperparameters, another parameter tree?). ({e})") from None
   src_children, src_def = _one_level(src)
   tpl_children, tpl_def = _one_level(tpl)
   if _is_leaf_node(tpl_def):
@@ -324,6 +329,9 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
 def _describe(x: Any) -> str:
   if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, tuple):
     return f"an array of shape {tuple(x.shape)}"
+  if isinstance(x, dict):
+    keys = sorted(map(str, x))
+    return f"a dict with keys {keys[:4]}{' ...' if len(keys) > 4 else ''}"
   return f"a {type(x).__name__}"
 
 

@@ -257,6 +257,14 @@ def test_conversion_errors_name_the_problem():
     fo.convert_state_layout(state, _build("alice", {"rank": 2}, False, params), params)
   with pytest.raises(ValueError, match="convert_state_layout"):
     fo.convert_state_layout(state, fo.racs(0.01, stack_matrices=False), other)
+  # a stacked state whose stacks are not the target's: other matrix axes for "o"
+  dims = jax.tree_util.tree_map_with_path(
+      lambda path, d: fo.MatrixDims(rows=0, cols=(1, 2)) if "'o'" in
+      jax.tree_util.keystr(path) else d, _dims(params),
+      is_leaf=lambda d: isinstance(d, fo.MatrixDims))
+  other_axes = fo.racs(0.01, stack_matrices=False, dims=dims, weight_decay=0.1)
+  with pytest.raises(ValueError, match=r"dict with keys \['layers/\*/o 6x10'"):
+    fo.convert_state_layout(state, other_axes, params)
 
 
 def test_a_checkpoint_saved_stacked_restores_per_leaf(tmp_path):
