@@ -12,7 +12,9 @@ still running at its limit is interrupted and keeps what it printed):
    at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon; then
    Adam's and RACS's steps under the profiler (:mod:`benchmarks.kernel_profile`: the
    device's busy and waiting time per step, time per kind of kernel, the largest
-   kernels); then RACS in the per-leaf layout.
+   kernels); then RACS in the per-leaf layout; then RACS's update alone with bfloat16
+   parameters (:mod:`benchmarks.step_time` ``--dtype``), against Adam's with bfloat16
+   moments.
 3. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
    inside a low-rank refresh (Cholesky and Householder QR, ``r x r`` eigh by QR and by
    Jacobi, complement columns, the first refresh's Gram eigh, Alice's whole refresh of
@@ -29,7 +31,8 @@ still running at its limit is interrupted and keeps what it printed):
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
 
 The parts' limits add up past the default 470-second budget: the three training runs
-are capped at 170, 70 and 80 s and the factorizations at 100 s, and on the last H100 the
+are capped at 170, 70 and 80 s, the bfloat16 update at 45 s and the factorizations at
+100 s, and on the last H100 the
 suite took over 3.5 minutes (compiling Alice's 60M update alone 35 s). So on one H100 the
 default run is expected to cover parts 1-3 and to cut or skip part 4. The suite and the
 step grid are a second run of their own budget, ``--parts tests,steps,precision`` (with
@@ -74,14 +77,16 @@ FULL = dict(presets=("60M", "130M"),
             train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
             tests=["tests"], caps=dict(tests=240, steps=150, train=170, train_profile=70,
-                                       train_layout=80, precision=90, primitives=100))
+                                       train_layout=80, update_dtype=45, precision=90,
+                                       primitives=100))
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
              train_rounds=1, train_steps=1, precision_optimizers=("galore",),
              tests=["tests/test_refresh.py"], caps=dict(tests=300, steps=300, train=300,
                                                         train_profile=300, train_layout=300,
-                                                        precision=300, primitives=300))
+                                                        update_dtype=300, precision=300,
+                                                        primitives=300))
 
 
 class Check:
@@ -204,10 +209,10 @@ def part_tests(chk: Check, cfg: dict):
 
 
 def step_rows(chk: Check, cfg: dict, what: str, preset: str, layout: str, names, env=None,
-              cap=None):
+              cap=None, extra=()):
   cmd = [sys.executable, "benchmarks/step_time.py", "--preset", preset, "--jsonl", "--layout",
          layout, "--reps", str(cfg["reps"]), "--refresh-reps", str(cfg["refresh_reps"]),
-         "--optimizers", ",".join(names)]
+         "--optimizers", ",".join(names), *extra]
   r = chk.run(what, cmd, cap or cfg["caps"]["steps"], env)
   if r is None:
     return []
@@ -237,7 +242,10 @@ def part_steps(chk: Check, cfg: dict):
 def part_train(chk: Check, cfg: dict):
   """The default layout for every training optimizer; Adam's and RACS's steps under the
   profiler (where the device's time goes); RACS per-leaf (with its own Adam rows), which
-  tells a cost of stacking from one of RACS's arithmetic."""
+  tells a cost of stacking from one of RACS's arithmetic; then RACS's update alone with
+  parameters in the training dtype (``optax.adam`` keeps bfloat16 moments there, RACS
+  and its fallback compute in float32), which tells the update's own cost in that dtype
+  from what the training step adds around it."""
   rows = chk.data["parts"].setdefault("train", [])
   runs = [("train", cfg["train_optimizers"], "auto", cfg["caps"]["train"], [])]
   if "racs" in cfg["train_optimizers"]:
@@ -268,6 +276,12 @@ def part_train(chk: Check, cfg: dict):
       why = "cut at the limit" if code == "timeout" else "failed"
       chk.data["skipped"].append(f"{what} ({why})")
       chk.data.setdefault("errors", []).append(dict(part=what, tail=err[-1500:]))
+    chk.write()
+  if "racs" in cfg["train_optimizers"] and cfg["train_dtype"] != "float32":
+    chk.data["parts"]["update_dtype"] = step_rows(
+        chk, cfg, f"update {cfg['train_preset']} {cfg['train_dtype']}", cfg["train_preset"],
+        "stacked", ("racs",), cap=cfg["caps"]["update_dtype"],
+        extra=("--dtype", cfg["train_dtype"]))
     chk.write()
 
 
@@ -341,6 +355,15 @@ def markdown(d: dict) -> str:
                    f"{r['ratio_to_adam']:.1%} | "
                    f"{r['step_ms']:.1f} | {r['refresh_step_ms']:.1f} | "
                    f"{r['amortised_ratio_to_adam']:.1%} | {r['compile_s']:.1f} |")
+  ud = d["parts"].get("update_dtype")
+  if ud:
+    lines += ["", f"## Update alone, {ud[0]['dtype']} parameters ({ud[0]['preset']})", "",
+              "`benchmarks/step_time.py --dtype`: ratios to `optax.adam`'s update on the same "
+              "parameters (its moments in their dtype).", "",
+              "| layout | optimizer | ordinary | adam ms | compile s |", "|---|---|---|---|---|"]
+    for r in ud:
+      lines.append(f"| {r['layout']} | {r['optimizer']} | {r['ratio_ordinary']:.2f}x | "
+                   f"{r['adam_ms']:.2f} | {r['compile_s']:.1f} |")
   tp = d["parts"].get("train_profile")
   if tp:
     kinds = list(tp[0]["kinds_ms"])

@@ -2,13 +2,15 @@
 
     python benchmarks/step_time.py [--preset 60M] [--reps 20] [--layout auto] [--json]
 
-For the parameter shapes of a LLaMA preset (float32), each optimizer's jitted
-``update`` (gradients -> updates and new state) is timed on an ordinary step and on a
-refresh step (a step whose count triggers the subspace/eigenbasis refresh; timed in the
-first ``--refresh-reps`` rounds only, since one can take seconds), interleaved with
-``optax.adam`` in rounds, several repetitions, medians. Printed per optimizer: the
-ratio to Adam of an ordinary step, of a refresh step, and amortised over the refresh
-interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
+For the parameter shapes of a LLaMA preset (float32, or ``--dtype bfloat16``), each
+optimizer's jitted ``update`` (gradients -> updates and new state) is timed on an
+ordinary step and on a refresh step (a step whose count triggers the subspace/eigenbasis
+refresh; timed in the first ``--refresh-reps`` rounds only, since one can take seconds),
+interleaved with ``optax.adam`` in rounds, several repetitions, medians. Printed per
+optimizer: the ratio to Adam of an ordinary step, of a refresh step, and amortised over
+the refresh interval K (``((K - 1) * ordinary + refresh) / K``), plus compile time.
+``--hparams`` passes keywords to every fisher_optax optimizer of the run (e.g.
+``'{"refresh": "power_qr"}'``).
 
 ``--compile-only`` lowers and compiles each update on abstract shapes (no arrays, no
 timing runs) and prints compile seconds and their ratio to Adam's, each optimizer
@@ -79,10 +81,13 @@ def interval_of(name: str, preset: str) -> int:
       name, presets.LOW_RANK[preset][2])
 
 
-def setup(name: str, preset: str, stack_matrices="auto", hparams: dict | None = None):
+def setup(name: str, preset: str, stack_matrices="auto", hparams: dict | None = None,
+          dtype: str = "float32"):
   """``stack_matrices``: ``True``, ``False`` or ``"auto"`` (the library's default);
-  ``hparams``: keywords of a fisher_optax optimizer (ignored for Adam and the peers)."""
-  cfg = presets.model_config(preset)
+  ``hparams``: keywords of a fisher_optax optimizer (ignored for Adam and the peers);
+  ``dtype``: of the parameters and gradients (``bfloat16``: as a bfloat16 model trains,
+  where ``optax.adam`` keeps its moments in bfloat16)."""
+  cfg = presets.model_config(preset, dtype=dtype, param_dtype=dtype)
   params = nnx.state(Llama(cfg, nnx.Rngs(0)), nnx.Param)
   kw = dict(hparams or {}, stack_matrices=stack_matrices) if _ours(name) else {}
   tx = build(name, preset, **kw)
@@ -204,6 +209,8 @@ def main():
                        "default 'auto' (stacked on GPU/TPU, per-leaf on CPU), or fixed")
   ap.add_argument("--jsonl", action="store_true",
                   help="print each optimizer's result as one JSON line when it is measured")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                  help="parameter and gradient dtype (timing runs only)")
   ap.add_argument("--hparams", type=json.loads, default=None,
                   help='keywords for every fisher_optax optimizer, e.g. \'{"refresh": '
                        '"power_qr"}\' (timing runs only)')
@@ -215,11 +222,12 @@ def main():
                         stack_matrices=args.stack_matrices, repeat=args.repeat)
   if args.stacked or args.layers is not None:
     ap.error("--stacked and --layers apply to --compile-only")
-  adam = setup("adam", args.preset)
+  adam = setup("adam", args.preset, dtype=args.dtype)
   results = []
   for name in names:
     r = measure(name, args.preset, reps=args.reps, refresh_reps=args.refresh_reps,
-                stack_matrices=args.stack_matrices, adam=adam, hparams=args.hparams)
+                stack_matrices=args.stack_matrices, adam=adam, hparams=args.hparams,
+                dtype=args.dtype)
     results.append(r)
     if args.jsonl:
       print(json.dumps(r), flush=True)
@@ -233,11 +241,12 @@ def main():
 
 
 def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
-            stack_matrices="auto", adam=None, hparams: dict | None = None) -> dict:
+            stack_matrices="auto", adam=None, hparams: dict | None = None,
+            dtype: str = "float32") -> dict:
   """Times ``name``'s update on an ordinary and a refresh step in rounds interleaved with
   Adam's (medians); ratios to Adam's update, amortised over the refresh interval."""
-  adam = adam or setup("adam", preset)
-  step, grads, state, params, compile_s = setup(name, preset, stack_matrices, hparams)
+  adam = adam or setup("adam", preset, dtype=dtype)
+  step, grads, state, params, compile_s = setup(name, preset, stack_matrices, hparams, dtype)
   k = interval_of(name, preset)
   # states just before an ordinary step (count 1) and just before a refresh (count k)
   ordinary_state = state
@@ -251,7 +260,7 @@ def measure(name: str, preset: str, *, reps: int = 10, refresh_reps: int = 3,
   a, o, r = (statistics.median(x) for x in (t_adam, t_ord, t_ref))
   amort = ((k - 1) * o + r) / k
   return dict(optimizer=name, preset=preset, stack_matrices=stack_matrices,
-              hparams=hparams if _ours(name) else None,
+              hparams=hparams if _ours(name) else None, dtype=dtype,
               stacked=bool(_ours(name) and stacking.resolve(stack_matrices)),
               matmul_precision=str(jax.config.jax_default_matmul_precision),
               backend=jax.default_backend(), adam_ms=a * 1e3, ordinary_ms=o * 1e3,

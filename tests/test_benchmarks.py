@@ -168,12 +168,14 @@ def test_device_check_smoke_writes_every_part(tmp_path):
   assert set(profiled) == {"adam", "racs"}
   assert all(r["kernels_per_step"] > 0 and r["wall_ms"] > 0 for r in profiled.values())
   assert not (tmp_path / "trace-tmp").exists()  # raw traces are not kept
+  (bf16,) = data["parts"]["update_dtype"]
+  assert bf16["dtype"] == "bfloat16" and bf16["optimizer"] == "racs" and bf16["stacked"]
   assert data["parts"]["precision"][0]["matmul_precision"] == "tensorfloat32"
   prim = {r["primitive"]: r for r in data["parts"]["primitives"]}
   assert prim["alice refresh_from (switching)"]["ms"] > 0 and "cholesky_qr m x r" in prim
   text = md.read_text()
   for heading in ("Test suite", "Update step", "Training step", "Matmul precision",
-                  "refresh's factorizations", "device time goes"):
+                  "refresh's factorizations", "device time goes", "bfloat16 parameters"):
     assert heading in text
 
 
