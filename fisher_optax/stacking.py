@@ -17,7 +17,8 @@ distinct kernels grow with depth); over stacks it compiles one subgraph per grou
 for a model that stacks its layers (``nnx.scan``). The named optimizers expose it as
 ``stack_matrices=True`` (their ``_finish`` applies :func:`stack_matrices`); the state's
 owners under that layout (:func:`stacks_of`) are what
-:func:`fisher_optax.state_partition_specs` and :func:`fisher_optax.describe` read.
+:func:`fisher_optax.state_partition_specs` and :func:`fisher_optax.describe` read;
+:func:`convert_state_layout` moves a state between the two layouts.
 """
 
 from __future__ import annotations
@@ -308,18 +309,18 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
           f"optimizer's (other hyperparameters, another parameter tree?). ({e})") from None
   src_children, src_def = _one_level(src)
   tpl_children, tpl_def = _one_level(tpl)
-  if _is_leaf_node(tpl_def):
-    if not _is_leaf_node(src_def) or tuple(jnp.shape(src)) != tuple(tpl.shape):
-      raise ValueError(
-          f"convert_state_layout: {where} is {_describe(src)} in the given state but "
-          f"{_describe(tpl)} for the target optimizer: the state is not one of this "
-          "optimizer's (other hyperparameters, another parameter tree?)")
-    return src if jnp.result_type(src) == tpl.dtype else jnp.asarray(src, tpl.dtype)
-  if src_def.node_data() != tpl_def.node_data() or len(src_children) != len(tpl_children):
-    raise ValueError(
+  def mismatch():
+    return ValueError(
         f"convert_state_layout: {where} is {_describe(src)} in the given state but "
         f"{_describe(tpl)} for the target optimizer: the state is not one of this "
         "optimizer's (other hyperparameters, another parameter tree?)")
+
+  if _is_leaf_node(tpl_def):
+    if not _is_leaf_node(src_def) or tuple(jnp.shape(src)) != tuple(tpl.shape):
+      raise mismatch()
+    return src if jnp.result_type(src) == tpl.dtype else jnp.asarray(src, tpl.dtype)
+  if src_def.node_data() != tpl_def.node_data() or len(src_children) != len(tpl_children):
+    raise mismatch()
   keys = [k for k, _ in jax.tree_util.tree_flatten_with_path(
       tpl, is_leaf=lambda y: y is not tpl)[0]]
   return tpl_def.unflatten([_convert(s, t, plans, path + k)
@@ -341,9 +342,9 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   ``stack_matrices`` layout, converted to the layout of ``tx``: the same optimizer
   with the same hyperparameters, built with the other ``stack_matrices``.
 
-  The statistics are moved, not recomputed: a stacked array ``(k, ...)`` of a group
-  holds its members' per-leaf arrays, each reshaped to ``(matrices, ...)``, in the order
-  of the parameters' leaves; converting back and forth returns the state unchanged, and the next
+  The statistics are moved, not recomputed: a stacked array ``(k, ...)`` of a group holds
+  its members' per-leaf arrays, each reshaped to ``(matrices, ...)``, in the order of the
+  parameters' leaves; converting back and forth returns the state unchanged, and the next
   update equals the one of the layout the state came from (to float32 rounding, as
   between the layouts' updates). Counters, keys and the fallback's state are kept. A
   state already in ``tx``'s layout is returned as it is. The draws of the methods that
