@@ -1,6 +1,6 @@
 """Time the factorizations inside a low-rank refresh, batched as the stacked layout runs them.
 
-    python benchmarks/primitives.py [--preset 60M] [--reps 5] [--jsonl]
+    python benchmarks/primitives.py [--preset 60M] [--reps 5] [--jsonl] [--only racs]
 
 Alice's refresh of one stack of same-shape matrices (``B`` matrices, ``m x r`` bases) is
 built from: the Gram ``G G^T`` (a batched product), subspace-iteration steps
@@ -66,14 +66,28 @@ def fixed_point_by_dots(g: jax.Array, iters: int = 5, *,
   with ``recompute``, multiply-reduce again but ``P = (G / c)^2`` formed inside each
   product from ``G`` in its own dtype (a bfloat16 gradient is then read at 2 bytes an
   entry, and ``P`` is never written), also the same arithmetic. For timing against the
-  library's form."""
+  library's form.
+
+  XLA hoists a loop-invariant ``P`` out of the loop (written inside the loop body, it
+  compiled on this CPU to the library's program: the same 32 MiB of temporary memory for
+  32 matrices of 512 x 512). An ``optimization_barrier`` that ties ``G`` to the
+  iterates keeps it inside: 0 bytes of temporary memory, results bitwise equal, and
+  3-8x slower on this CPU (32 x 512 x 512 and 24 x 512 x 1376, float32 and bfloat16)."""
   c = jnp.max(jnp.abs(g.astype(jnp.float32)))
   c = jnp.where((c > 0) & jnp.isfinite(c), c, 1.0)
   tiny = jnp.finfo(jnp.float32).tiny
   if recompute:
-    p_of = lambda: jnp.square(g.astype(jnp.float32) / c)  # noqa: E731
-    vec_mat = lambda v: jnp.sum(v[:, None] * p_of(), axis=0)  # noqa: E731
-    mat_vec = lambda v: jnp.sum(p_of() * v[None, :], axis=1)  # noqa: E731
+    def p_of(v):  # G read afresh for each product: not loop-invariant behind the barrier
+      x, v = jax.lax.optimization_barrier((g, v))
+      return jnp.square(x.astype(jnp.float32) / c), v
+
+    def vec_mat(v):
+      p, v = p_of(v)
+      return jnp.sum(v[:, None] * p, axis=0)
+
+    def mat_vec(v):
+      p, v = p_of(v)
+      return jnp.sum(p * v[None, :], axis=1)
   else:
     p = jnp.square(g.astype(jnp.float32) / c)
     vec_mat = lambda v: linalg.matmul(v, p)  # noqa: E731
@@ -210,16 +224,19 @@ def main(argv=None):
   ap.add_argument("--preset", default="60M")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--jsonl", action="store_true")
+  ap.add_argument("--only", default="all", choices=("all", "refresh", "racs"),
+                  help="the refresh's factorizations, RACS's fixed point per weight stack, "
+                       "or both")
   args = ap.parse_args(argv)
   weights, b, m, r, leading = shapes(args.preset)
   # the refresh group first: a run cut at its time limit keeps what matters most
-  for name, fn, fargs in cases(b, m, r, leading):
+  for name, fn, fargs in (cases(b, m, r, leading) if args.only != "racs" else ()):
     shape = f"{m}x{m} r{r}" if "m x m" in name or "refresh" in name else (
         f"{r}x{r}" if "r x r" in name else f"{m}x{r}")
     report(measure(name, fn, fargs, b, shape, args.preset, args.reps), args.jsonl)
   gram = jax.vmap(refresh.Switch().operand)
   racs = jax.vmap(lambda g: two_sided_fixed_point(g, 5))
-  for bw, mw, nw in weights:
+  for bw, mw, nw in (weights if args.only != "refresh" else ()):
     g = jnp.asarray(np.random.default_rng(0).standard_normal((bw, mw, nw)), jnp.float32)
     for name, fn in (("gram G G^T", gram), ("copy (bandwidth yardstick)", lambda x: x * 2.0),
                      ("racs fixed point, 5 iters", racs),

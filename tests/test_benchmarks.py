@@ -239,3 +239,11 @@ def test_primitives_racs_candidates_compute_the_library_fixed_point():
       got = primitives.fixed_point_by_dots(x, recompute=recompute)
       np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
       np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+  # the recomputing variant is another program: P is never stored (XLA would otherwise
+  # hoist it out of the loop and compile the library's form)
+  big = jax.ShapeDtypeStruct((4, 64, 96), jnp.float32)
+  temp = lambda f: jax.jit(jax.vmap(f)).lower(big).compile().memory_analysis()  # noqa: E731
+  stored = temp(lambda x: two_sided_fixed_point(x, 5)).temp_size_in_bytes
+  assert stored >= 4 * 64 * 96 * 4
+  assert temp(lambda x: primitives.fixed_point_by_dots(x, recompute=True)
+              ).temp_size_in_bytes < stored // 4

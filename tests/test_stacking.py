@@ -281,3 +281,26 @@ def test_a_checkpoint_saved_stacked_restores_per_leaf(tmp_path):
   moved = fo.convert_state_layout(restored, tx, params)
   u, _ = jax.jit(tx.update)(grads_at(params, 2), moved, params)
   assert jax.tree.all(jax.tree.map(lambda x: bool(jnp.all(jnp.isfinite(x))), u))
+
+
+def test_a_stack_of_one_matrix_runs_unbatched_with_the_same_updates():
+  """A parameter no other layer shares (an output layer) is a stack of one matrix in the
+  stacked layout; it is run on the matrix itself, not ``vmap``-ed over an axis of one
+  (``grouping.vmap_batch``), with the per-leaf layout's updates."""
+  from fisher_optax import grouping
+  jaxpr = jax.make_jaxpr(grouping.vmap_batch(lambda x: jnp.sum(x * x, axis=0), 1))(
+      jnp.ones((1, 6, 20)))
+  reduce_in = [e.invars[0].aval.shape for e in jaxpr.eqns if e.primitive.name == "reduce_sum"]
+  assert reduce_in == [(6, 20)]
+  jaxpr2 = jax.make_jaxpr(grouping.vmap_batch(lambda x: jnp.sum(x * x, axis=0), 1))(
+      jnp.ones((2, 6, 20)))
+  assert [e.invars[0].aval.shape for e in jaxpr2.eqns
+          if e.primitive.name == "reduce_sum"] == [(2, 6, 20)]
+  params = {"head": jnp.zeros((6, 20)),
+            "layers": {i: {"q": jnp.zeros((6, 10))} for i in range(2)}}
+  for name in ("racs", "alice", "soap"):
+    kw = dict(registry.kwargs(name, draw_free=True), stack_matrices=False)
+    per_leaf, _ = _run(getattr(fo, name)(0.01, **kw), params)
+    stacked, _ = _run(getattr(fo, name)(0.01, **dict(kw, stack_matrices=True)), params)
+    for t, (a, b) in enumerate(zip(per_leaf, stacked)):
+      _close_updates(a, b, name, t)
