@@ -223,3 +223,60 @@ def test_10k_steps_on_ill_conditioned_quadratic(name, kw):
   losses = np.asarray(losses)
   assert np.isfinite(losses).all() and _finite(s) and _finite(w)
   assert losses[-1] < 1e-3 * losses[0], (losses[0], losses[-1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", ["eigen_adam", "shampoo"])
+def test_power_qr_refresh_with_extreme_gradients_and_degenerate_shapes(name, dtype):
+  """``refresh="power_qr"``: the extreme gradients above over 5 steps (refreshes at 1 by
+  eigh, at 3 and 5 by the power step) keep updates and state finite, in the leaves'
+  dtype; a zero gradient gives a zero update; on 1 x n, n x 1, 3 x 3 and stacks forced
+  onto the structured rule the third update is a descent direction."""
+  kw = dict(_kw(name), refresh="power_qr")
+  tx = getattr(fo, name)(0.01, **kw)
+  params = {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
+  update = jax.jit(tx.update)
+  for kind in ("zero", "tiny", "huge", "sparse"):
+    state = tx.init(params)
+    for t in range(5):
+      u, state = update(_grads(kind, dtype, t), state, params)
+      assert _finite(u), (kind, t)
+      assert all(x.dtype == dtype for x in jax.tree.leaves(u))
+      if kind == "zero":
+        assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
+    assert _finite(state), kind
+  shapes = {"row": (1, 8), "col": (8, 1), "sq": (3, 3), "st": (2, 1, 4)}
+  tx = getattr(fo, name)(0.01, **kw, mask=lambda p: jax.tree.map(lambda _: True, p))
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  g = _grads("normal", jnp.float32, 0, shapes)
+  state, update = tx.init(params), jax.jit(tx.update)
+  for _ in range(3):
+    u, state = update(g, state, params)
+  assert _finite(state)
+  for k in shapes:
+    assert float(jnp.vdot(u[k], g[k])) < 0, (k, u[k])
+
+
+@pytest.mark.parametrize("name", ["eigen_adam", "shampoo"])
+def test_power_qr_refresh_with_nan_gradients(name):
+  """A NaN entry shows up in the update; under ``apply_if_finite`` the step is skipped
+  and the power-step refreshes after it stay finite."""
+  kw = dict(_kw(name), refresh="power_qr")
+  shapes = {"w": (6, 10), "v": (5,)}
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
+  good = [_grads("normal", jnp.float32, t, shapes) for t in range(6)]
+  bad = dict(good[1], w=good[1]["w"].at[2, 3].set(jnp.nan))
+  tx = getattr(fo, name)(0.01, **kw)
+  s = tx.init(params)
+  _, s = jax.jit(tx.update)(good[0], s, params)
+  u, _ = jax.jit(tx.update)(bad, s, params)
+  assert not bool(jnp.all(jnp.isfinite(u["w"])))
+  tx = optax.apply_if_finite(getattr(fo, name)(0.01, **kw), max_consecutive_errors=5)
+  update = jax.jit(tx.update)
+  s = tx.init(params)
+  _, s = update(good[0], s, params)
+  u, s = update(bad, s, params)
+  assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u))
+  for g in good[2:]:  # refreshes at the 3rd and 5th applied steps: power steps
+    u, s = update(g, s, params)
+    assert _finite(u) and _finite(s.inner_state)
