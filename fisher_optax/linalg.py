@@ -143,9 +143,10 @@ def cholesky_qr(h: jax.Array) -> jax.Array:
     gram = matmul(jnp.swapaxes(q, -1, -2), q)
     s = jnp.where(i < 2, (m + k) * eps, 0.0) * jnp.trace(gram, axis1=-2, axis2=-1)
     lower = jnp.linalg.cholesky(gram + s[..., None, None] * jnp.eye(k, dtype=f32))
-    # Q = X L^{-T}, i.e. Q^T = L^{-1} X^T
-    return jnp.swapaxes(jax.scipy.linalg.solve_triangular(
-        lower, jnp.swapaxes(q, -1, -2), lower=True), -1, -2)
+    # Q <- Q L^{-T}: one right-side solve with L^T on Q as it is laid out; solving
+    # L Q^T = Q^T instead copies Q into and out of its transpose in every pass
+    return jax.lax.linalg.triangular_solve(lower, q, left_side=False, lower=True,
+                                           transpose_a=True)
 
   # one compiled loop of four passes rather than four unrolled copies (compile time)
   return jax.lax.fori_loop(0, 4, step, x)
