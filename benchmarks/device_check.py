@@ -29,6 +29,10 @@ still running at its limit is interrupted and keeps what it printed):
    seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
 6. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
+7. ``compile``: where the compile time goes: :mod:`benchmarks.step_time` ``--compile-only``
+   for adam, ``optax.contrib.muon``/``galore``, galore and alice at the first preset,
+   with nothing cached, read back from JAX's persistent compilation cache, and with XLA's
+   GPU autotuning off (``--xla_gpu_autotune_level=0``).
 
 The parts' limits add up past the default 470-second budget: the three training runs
 are capped at 170, 70 and 80 s, the bfloat16 update at 45 s and the factorizations at
@@ -65,6 +69,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -76,17 +81,20 @@ FULL = dict(presets=("60M", "130M"),
             train_preset="60M", train_optimizers=("racs", "alice", "muon"), train_dtype="bfloat16",
             train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
+            compile_optimizers=("adam", "muon", "optax_galore", "galore", "alice"),
             tests=["tests"], caps=dict(tests=240, steps=150, train=170, train_profile=70,
                                        train_layout=80, update_dtype=45, precision=90,
-                                       primitives=100))
+                                       primitives=100, compile=150, compile_autotune=90))
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
              train_rounds=1, train_steps=1, precision_optimizers=("galore",),
+             compile_optimizers=("adam", "galore"),
              tests=["tests/test_refresh.py"], caps=dict(tests=300, steps=300, train=300,
                                                         train_profile=300, train_layout=300,
                                                         update_dtype=300, precision=300,
-                                                        primitives=300))
+                                                        primitives=300, compile=300,
+                                                        compile_autotune=300))
 
 
 class Check:
@@ -302,11 +310,71 @@ def part_precision(chk: Check, cfg: dict):
       cap=cfg["caps"]["precision"])
 
 
+def part_compile(chk: Check, cfg: dict):
+  """Where an update's compile time goes on this device: :mod:`benchmarks.step_time`
+  ``--compile-only`` (abstract shapes, the first preset, the library's default layout)
+  for ``compile_optimizers``, twice. First with JAX's persistent compilation cache on, in
+  an empty folder, and two rounds: the first round compiles (and fills the cache), the
+  second reads the executables back, which is what a second run of a training script
+  with the cache on pays. Then with XLA's GPU autotuning off
+  (``--xla_gpu_autotune_level=0``; the flag only concerns GPUs), one round, no cache:
+  the difference to the first round is the time spent autotuning the update's kernels
+  (its float32-pinned products, where TensorFloat-32 compiles several times faster)."""
+  preset = cfg["presets"][0]
+  names = cfg["compile_optimizers"]
+  cache = tempfile.mkdtemp(prefix="jax-cache-")
+  runs = [("cached", 2, "compile", dict(JAX_COMPILATION_CACHE_DIR=cache,
+                                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                                         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")),
+          ("autotune off", 1, "compile_autotune", dict(XLA_FLAGS=" ".join(
+              [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0"]).strip()))]
+  out = chk.data["parts"].setdefault("compile", [])
+  try:
+    for how, repeat, cap, env in runs:
+      cmd = [sys.executable, "benchmarks/step_time.py", "--compile-only", "--jsonl",
+             "--preset", preset, "--optimizers", ",".join(names), "--repeat", str(repeat)]
+      r = chk.run(f"compile {preset} {how}", cmd, cfg["caps"][cap], env)
+      if r is None:
+        continue
+      rows = jsonl(r[0])
+      for x in rows:
+        x["how"] = how
+      out += rows
+      missing = [n for n in names if n not in {x["optimizer"] for x in rows}]
+      if missing:
+        chk.data["skipped"].append(f"compile {how}: {','.join(missing)} "
+                                   f"({'cut at the limit' if r[2] == 'timeout' else 'failed'})")
+        if r[2] not in (0, "timeout"):
+          chk.data.setdefault("errors", []).append(dict(part=f"compile {how}",
+                                                        tail=r[1][-1500:]))
+      chk.write()
+  finally:
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def compile_table(rows: list) -> list:
+  """Per optimizer: seconds to compile with nothing cached, read back from the persistent
+  cache, and with autotuning off. Adam is compiled first, so its first compile is the
+  ``adam_rounds_s[0]`` of the first row; every later Adam compile of that run reads the
+  cache."""
+  by = {}
+  for x in rows:
+    d = by.setdefault(x["optimizer"], {})
+    if x["how"] == "cached":
+      first = x["adam_rounds_s"][0] if x["optimizer"] == "adam" else x["rounds_s"][0]
+      d.update(cold=first, cached=x["rounds_s"][-1])
+    else:
+      d["autotune_off"] = x["rounds_s"][0]
+  fmt = lambda d, k: f"{d[k]:.1f}" if k in d else "n/a"  # noqa: E731
+  return [f"| {n} | {fmt(d, 'cold')} | {fmt(d, 'cached')} | {fmt(d, 'autotune_off')} |"
+          for n, d in by.items()]
+
+
 # The open questions first: the training step (with its profile and RACS per-leaf) and the
 # refresh's factorizations decide the two GPU targets not yet met; the suite passed with
 # no failure on the last device (unfinished at its limit), so it follows them.
 PARTS = {"train": part_train, "primitives": part_primitives, "tests": part_tests,
-         "steps": part_steps, "precision": part_precision}
+         "steps": part_steps, "precision": part_precision, "compile": part_compile}
 
 
 def markdown(d: dict) -> str:
@@ -401,6 +469,16 @@ def markdown(d: dict) -> str:
       lines.append(f"| {x['primitive']} | {x['batch']} | {x['shape']} | "
                    + (f"{x['ms']:.2f} | {x['ms_per_matrix']:.3f} | {x['compile_s']:.1f} |"
                       if "ms" in x else f"{x['error']} | | |"))
+  cp = d["parts"].get("compile")
+  if cp:
+    lines += ["", f"## Compile time of the update ({cp[0]['preset']}, default layout)", "",
+              "`benchmarks/step_time.py --compile-only`: seconds to trace, lower and compile "
+              "each update alone. Nothing cached: the first compile in a process with JAX's "
+              "persistent compilation cache on (an empty folder); cached: the same update "
+              "again, read back from that cache; autotuning off: another process with "
+              "`XLA_FLAGS=--xla_gpu_autotune_level=0` and no cache.", "",
+              "| optimizer | nothing cached | cached | autotuning off |", "|---|---|---|---|"]
+    lines += compile_table(cp)
   if d["skipped"]:
     lines += ["", "## Not measured in this run", ""] + [f"- {s}" for s in d["skipped"]]
   return "\n".join(lines) + "\n"

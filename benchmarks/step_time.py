@@ -147,29 +147,37 @@ def compile_seconds(name: str, preset: str, *, stacked: bool = False,
 
 
 def compile_only(names, preset, as_json, *, stacked=False, layers=None, stack_matrices="auto",
-                 repeat=1):
+                 repeat=1, jsonl=False):
   """Compile seconds per optimizer and their ratio to Adam's. Each of ``repeat`` rounds
   compiles the optimizer between two Adam compiles; the figures are the best (least
   loaded) of the rounds: the optimizer's fastest compile over the mean of the Adam
   compiles around it in that round (a 2-core machine's readings of one build move by
-  ~15%)."""
+  ~15%). Each result also lists every round's seconds in order (``rounds_s``, and
+  ``adam_rounds_s``: the Adam compile just before each round; the first optimizer's first
+  is the process's first compile of Adam): with JAX's persistent compilation cache on,
+  a first round fills the cache and a second reads it back. ``jsonl``: one JSON line per
+  optimizer as it is measured."""
   kw = dict(stacked=stacked, layers=layers)
   adam, adam_temp = compile_seconds("adam", preset, **kw)
   results = []
   for name in names:
-    rounds = []
+    rounds, before = [], []
     for _ in range(repeat):
       c, temp = compile_seconds(name, preset, stack_matrices=stack_matrices, **kw)
       adam_next, _ = compile_seconds("adam", preset, **kw)
       rounds.append((c, 0.5 * (adam + adam_next)))
+      before.append(adam)
       adam = adam_next
     c, ref = min(rounds)
     results.append(dict(optimizer=name, preset=preset, stacked=stacked, layers=layers,
                         stack_matrices=stack_matrices, repeat=repeat,
                         compile_s=c, adam_compile_s=ref, ratio_compile=c / ref,
                         ratios=[x / a for x, a in rounds],
+                        rounds_s=[x for x, _ in rounds], adam_rounds_s=before,
                         temp_mib=temp / 2**20, adam_temp_mib=adam_temp / 2**20))
-    if not as_json:
+    if jsonl:
+      print(json.dumps(results[-1]), flush=True)
+    elif not as_json:
       spread = (f"  (rounds {min(x / a for x, a in rounds):.2f}-"
                 f"{max(x / a for x, a in rounds):.2f}x)" if repeat > 1 else "")
       print(f"{name:12s} compile {c:5.1f}s  adam {ref:4.1f}s  ratio {c / ref:5.2f}x{spread}"
@@ -219,7 +227,8 @@ def main():
   names = [n for n in args.optimizers.split(",") if n]
   if args.compile_only:
     return compile_only(names, args.preset, args.json, stacked=args.stacked, layers=args.layers,
-                        stack_matrices=args.stack_matrices, repeat=args.repeat)
+                        stack_matrices=args.stack_matrices, repeat=args.repeat,
+                        jsonl=args.jsonl)
   if args.stacked or args.layers is not None:
     ap.error("--stacked and --layers apply to --compile-only")
   adam = setup("adam", args.preset, dtype=args.dtype)

@@ -173,10 +173,16 @@ def test_device_check_smoke_writes_every_part(tmp_path):
   assert data["parts"]["precision"][0]["matmul_precision"] == "tensorfloat32"
   prim = {r["primitive"]: r for r in data["parts"]["primitives"]}
   assert prim["alice refresh_from (switching)"]["ms"] > 0 and "cholesky_qr m x r" in prim
+  comp = {(r["optimizer"], r["how"]): r for r in data["parts"]["compile"]}
+  assert set(comp) == {(n, h) for n in ("adam", "galore") for h in ("cached", "autotune off")}
+  assert [len(comp["galore", h]["rounds_s"]) for h in ("cached", "autotune off")] == [2, 1]
+  assert all(s > 0 for r in comp.values() for s in r["rounds_s"] + r["adam_rounds_s"])
   text = md.read_text()
   for heading in ("Test suite", "Update step", "Training step", "Matmul precision",
-                  "refresh's factorizations", "device time goes", "bfloat16 parameters"):
+                  "refresh's factorizations", "device time goes", "bfloat16 parameters",
+                  "Compile time of the update"):
     assert heading in text
+  assert "| galore | " in text.split("Compile time of the update")[1]
 
 
 def test_device_check_reads_an_interrupted_parallel_pytest_run():
