@@ -56,12 +56,22 @@ import jax
 DEFAULT_OPTIMIZERS = ("adam", "racs", "alice", "alice0", "galore", "fira", "apollo_mini",
                       "soap", "muon")
 
-_FUNC = re.compile(r"^  func\.func (?:public |private )?@(?P<name>[\w.$-]+)\(")
+# a symbol is printed bare (``@main``) or quoted where it holds other characters
+# (``@"<lambda>"``: a jitted lambda)
+_SYM = r'(?:"(?P<{0}_q>[^"]+)"|(?P<{0}>[\w.$-]+))'
+_FUNC = re.compile(r"^  func\.func (?:public |private )?@" + _SYM.format("name") + r"\(")
 _LOC_DEF = re.compile(r"^#loc(?P<id>\d+) = (?P<body>.*)$")
 _LOC_REF = re.compile(r"#loc(\d+)")
 _TRAILING_LOC = re.compile(r"loc\((?P<ref>#loc\d+|\".*)\)\s*$")
 _CASE = re.compile(r"\"stablehlo\.case\"\((?P<arg>%[\w#]+)\)")
-_CALL = re.compile(r"(?<![\w.])(?:func\.)?call @(?P<callee>[\w.$-]+)\(")
+_CALL = re.compile(r"(?<![\w.])(?:func\.)?call @" + _SYM.format("callee") + r"\(")
+
+
+def _sym(match: re.Match, group: str) -> str:
+  """The symbol of ``_SYM``'s ``group``, bare or quoted."""
+  return match.group(group) or match.group(group + "_q")
+
+
 _CUSTOM = re.compile(r"custom_call @(?P<target>\w+)\(.*?:\s*\((?P<operands>[^)]*)\)\s*->")
 _TENSOR = re.compile(r"tensor<(?P<dims>(?:\d+x)*)(?P<dtype>\w+)>")
 
@@ -192,7 +202,7 @@ _CASE_RETURN = re.compile(r"^\s*stablehlo\.return (?P<name>%[\w]+) : tensor<(?:i
 _DEF = re.compile(r"^\s*(?P<name>%[\w]+)(?::\d+)? = (?P<rhs>.*)$")
 
 
-_CALL_RHS = re.compile(r"(?:func\.)?call @(?P<callee>[\w.$-]+)\((?P<args>[^)]*)\)")
+_CALL_RHS = re.compile(r"(?:func\.)?call @" + _SYM.format("callee") + r"\((?P<args>[^)]*)\)")
 _RETURN = re.compile(r"^\s*(?:func\.)?return (?P<name>%[\w]+) : tensor<(?:i|ui)\d+>")
 
 
@@ -252,12 +262,12 @@ def _fold(name: str, defs: dict, funcs: dict, env=None, depth: int = 0):
     lo, x, hi = sub(m.group("lo")), sub(m.group("x")), sub(m.group("hi"))
     return None if None in (lo, x, hi) else min(max(x, lo), hi)
   m = _CALL_RHS.match(rhs)
-  if m and m.group("callee") in funcs:
+  if m and _sym(m, "callee") in funcs:
     args = [a.strip() for a in m.group("args").split(",") if a.strip()]
     values = [sub(a) for a in args]
     if any(v is None for v in values):
       return None
-    cdefs, ret = funcs[m.group("callee")]
+    cdefs, ret = funcs[_sym(m, "callee")]
     if ret is None:
       return None
     return _fold(ret, cdefs, funcs, {f"%arg{i}": v for i, v in enumerate(values)},
@@ -265,9 +275,12 @@ def _fold(name: str, defs: dict, funcs: dict, env=None, depth: int = 0):
   return None
 
 
-def _parse_functions(lines) -> dict:
+def _parse_functions(lines) -> tuple[dict, dict]:
   """``{function: [ops]}``: the ops that matter here, nested in their case branches and
-  loop regions; a case whose index folds to a constant records the branch it takes."""
+  loop regions; a case whose index folds to a constant records the branch it takes. A
+  case or a call keeps its operands and the definitions before it, so that a case whose
+  index is a function argument folds at the call site (:func:`audit_text`). Also returns
+  the scalar definitions per function, what :func:`_fold` reads through calls."""
   funcs, scalars, cases = {}, {}, []
   body = None
   stack = []   # open regions: (brace level inside, kind, op, container)
@@ -277,9 +290,9 @@ def _parse_functions(lines) -> dict:
     m = _FUNC.match(line)
     if m:
       body, stack, brace, defs = [], [], 0, {}
-      funcs[m.group("name")] = body
-      scalars[m.group("name")] = (defs, None)
-      fname = m.group("name")
+      fname = _sym(m, "name")
+      funcs[fname] = body
+      scalars[fname] = (defs, None)
     if body is None:
       continue
     here = stack[-1][3] if stack else body
@@ -319,6 +332,7 @@ def _parse_functions(lines) -> dict:
       if d:
         defs[("@case", d.group("name"))] = op
       cases.append((op, case.group("arg"), dict(defs)))
+      op.detail.update(arg=case.group("arg"), defs=cases[-1][2])
       here.append(op)
       stack.append((before + 1, "case", op, op.regions[0]))
       continue
@@ -327,8 +341,12 @@ def _parse_functions(lines) -> dict:
       stack[-1][2].detail["static"] = True  # a constant in the condition: a fixed bound
     for callm in _CALL.finditer(line):
       loc = _TRAILING_LOC.search(line)
-      here.append(_Op("call", dict(callee=callm.group("callee"),
-                                   loc=loc.group("ref") if loc else "")))
+      rhs = _CALL_RHS.search(line)
+      args = ([a.strip() for a in rhs.group("args").split(",") if a.strip()]
+              if rhs and _sym(rhs, "callee") == _sym(callm, "callee") else [])
+      here.append(_Op("call", dict(callee=_sym(callm, "callee"),
+                                   loc=loc.group("ref") if loc else "", args=args,
+                                   defs=dict(defs))))
     cm = _CUSTOM.search(line)
     if cm:
       target = cm.group("target")
@@ -344,17 +362,18 @@ def _parse_functions(lines) -> dict:
       stack.append((before + 1, "other", None, here))
   for op, arg, defs_then in cases:
     op.detail["index"] = _fold(arg, defs_then, scalars)
-  return funcs
+  return funcs, scalars
 
 
 def audit_text(text: str, optimizer: str = "") -> Audit:
   """The audit of one module printed with ``as_text(debug_info=True)``. A case whose
   index is a constant after folding (``platform_dependent``; a step counter fixed at
-  lowering) counts as its taken branch alone; every other case is a run-time
-  conditional and all its branches are counted."""
+  lowering, or passed as a constant argument to the function that holds the case)
+  counts as its taken branch alone; every other case is a run-time conditional and all
+  its branches are counted."""
   lines = text.splitlines()
   locs = _Locations(lines)
-  funcs = _parse_functions(lines)
+  funcs, scalars = _parse_functions(lines)
   decomps, loops = [], []
   counts = dict(every=0, total=0)
 
@@ -363,21 +382,26 @@ def audit_text(text: str, optimizer: str = "") -> Audit:
       return "every step"
     return "first refresh only" if "first_from" in where else "refresh"
 
-  def walk(ops, depth: int, where: str, stack: tuple):
+  def walk(ops, depth: int, where: str, stack: tuple, env: dict):
+    """``env``: the constant arguments of the function being walked (``%argN``), as its
+    call site passes them; XLA inlines the call and folds with them."""
     for op in ops:
       if op.kind == "case":
         idx = op.detail["index"]
+        if idx is None and env:
+          idx = _fold(op.detail["arg"], op.detail["defs"], scalars, env)
         if idx is not None:  # folded: the branch taken (out of range: the last)
-          walk(op.regions[idx if 0 <= idx < len(op.regions) else -1], depth, where, stack)
+          walk(op.regions[idx if 0 <= idx < len(op.regions) else -1], depth, where, stack,
+               env)
           continue
         counts["total"] += 1
         counts["every"] += depth == 0
         for region in op.regions:
-          walk(region, depth + 1, where, stack)
+          walk(region, depth + 1, where, stack, env)
       elif op.kind == "while":
         loops.append(Loop(op.detail["static"], when_of(depth, where)))
         for region in op.regions:
-          walk(region, depth, where, stack)
+          walk(region, depth, where, stack, env)
       elif op.kind == "custom":
         if "solver" not in op.detail["target"]:
           continue
@@ -386,10 +410,11 @@ def audit_text(text: str, optimizer: str = "") -> Audit:
                                      calls, when_of(depth, where)))
       elif op.kind == "call" and op.detail["callee"] not in stack:
         callee = op.detail["callee"]
+        values = [_fold(a, op.detail["defs"], scalars, env) for a in op.detail["args"]]
         walk(funcs.get(callee, ()), depth, where + " " + locs.text(op.detail["loc"]),
-             stack + (callee,))
+             stack + (callee,), {f"%arg{i}": v for i, v in enumerate(values) if v is not None})
 
-  walk(funcs.get("main", ()), 0, "", ("main",))
+  walk(funcs.get("main", ()), 0, "", ("main",), {})
   return Audit(optimizer, decomps, counts["every"], counts["total"], loops)
 
 

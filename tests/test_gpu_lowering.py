@@ -77,6 +77,23 @@ def test_fixed_counter_folds_the_conditional_to_its_branch(count, calls):
   assert sum(d.calls for d in a.decompositions) == calls
 
 
+@pytest.mark.parametrize("count,calls", [(0, 4), (3, 0)])
+def test_a_conditional_in_a_jitted_lambda_folds_with_its_call_sites_constant(count, calls):
+  """A jitted lambda lowers to a function with a quoted name (``@"<lambda>"``) whose
+  predicate is an argument: the audit walks into it and folds the conditional with the
+  constant the call passes, as XLA does once it inlines the call."""
+  inner = jax.jit(lambda x, first: jax.lax.cond(first, lambda: jnp.linalg.eigh(x)[1],
+                                                 lambda: x))
+
+  def f(x):
+    return inner(x, jnp.asarray(count, jnp.int32) == 0)
+  text = gl.lowered_text(f, jax.ShapeDtypeStruct((4, 48, 48), jnp.float32))
+  assert 'call @"<lambda>"' in text
+  a = gl.audit_text(text)
+  assert a.syncs_at_refresh == 0
+  assert sum(d.calls for d in a.decompositions) == calls
+
+
 def test_switch_index_through_where_and_clamp_folds():
   def f(x):
     c = jnp.asarray(20, jnp.int32)
