@@ -99,6 +99,10 @@ class Audit:
   syncs_every_step: int       # run-time conditionals outside every other conditional
   syncs_at_refresh: int       # every run-time conditional (an upper bound at a refresh)
   loops: list
+  # matrix products (``dot_general``) of the program as XLA compiles it (a function's
+  # body once per call; a loop body once): ``(float32-pinned, when, signature)`` each,
+  # the signature being the product's dimension numbers and operand and result types
+  products: list = dataclasses.field(default_factory=list)
 
   def solver_calls(self, when: str) -> int:
     """Solver calls a step of kind ``when`` issues, one after another: a batched call
@@ -113,6 +117,9 @@ class Audit:
                 solver_calls_every_step=self.solver_calls("every step"),
                 solver_calls_refresh=self.solver_calls("refresh"),
                 solver_calls_first_refresh=self.solver_calls("first refresh only"),
+                products_float32=sum(p for p, _, _ in self.products),
+                products_default=sum(not p for p, _, _ in self.products),
+                products_float32_distinct=len({g for p, _, g in self.products if p}),
                 decompositions=[dataclasses.asdict(d) for d in self.decompositions])
 
 
@@ -352,6 +359,12 @@ def _parse_functions(lines) -> tuple[dict, dict]:
       target = cm.group("target")
       here.append(_Op("custom", dict(
           target=target, shape=dispatch_shape(target, _shapes(cm.group("operands"))))))
+    if "stablehlo.dot_general" in line:
+      sig = re.search(r"stablehlo\.dot_general (%\S+), (%\S+), (.*?)(?:, precision = \[[A-Z, ]+\])?"
+                      r"(?: algorithm = .*?)? : (.*?)(?: loc\(.*)?$", line)
+      here.append(_Op("dot", dict(pinned="precision = [HIGHEST, HIGHEST]" in line,
+                                  signature=(sig.group(3) + " : " + sig.group(4)) if sig
+                                  else line.strip())))
     if "stablehlo.while(" in line:
       here.append(_Op("while", dict(static=False)))
     if s == "cond {":
@@ -374,7 +387,7 @@ def audit_text(text: str, optimizer: str = "") -> Audit:
   lines = text.splitlines()
   locs = _Locations(lines)
   funcs, scalars = _parse_functions(lines)
-  decomps, loops = [], []
+  decomps, loops, products = [], [], []
   counts = dict(every=0, total=0)
 
   def when_of(depth: int, where: str) -> str:
@@ -402,6 +415,8 @@ def audit_text(text: str, optimizer: str = "") -> Audit:
         loops.append(Loop(op.detail["static"], when_of(depth, where)))
         for region in op.regions:
           walk(region, depth, where, stack, env)
+      elif op.kind == "dot":
+        products.append((op.detail["pinned"], when_of(depth, where), op.detail["signature"]))
       elif op.kind == "custom":
         if "solver" not in op.detail["target"]:
           continue
@@ -415,7 +430,7 @@ def audit_text(text: str, optimizer: str = "") -> Audit:
              stack + (callee,), {f"%arg{i}": v for i, v in enumerate(values) if v is not None})
 
   walk(funcs.get("main", ()), 0, "", ("main",), {})
-  return Audit(optimizer, decomps, counts["every"], counts["total"], loops)
+  return Audit(optimizer, decomps, counts["every"], counts["total"], loops, products)
 
 
 def lowered_text(fn, *args, platform: str = "cuda") -> str:
@@ -463,7 +478,9 @@ def _format_program(audit: Audit) -> str:
   r = audit.row()
   return (f"{audit.optimizer:12s} program   host syncs {r['syncs_every_step']} every step, up "
           f"to {r['syncs_at_refresh']} at a refresh; loops {r['loops_static']} fixed / "
-          f"{r['loops_dynamic']} run-time trip count")
+          f"{r['loops_dynamic']} run-time trip count; matrix products "
+          f"{r['products_float32']} float32-pinned ({r['products_float32_distinct']} distinct), "
+          f"{r['products_default']} default")
 
 
 def _format_step(audit: Audit, step: str) -> list[str]:

@@ -94,6 +94,21 @@ def test_a_conditional_in_a_jitted_lambda_folds_with_its_call_sites_constant(cou
   assert sum(d.calls for d in a.decompositions) == calls
 
 
+def test_matrix_products_counted_as_compiled_with_their_precision():
+  """A product in a function called twice counts twice (XLA inlines each call), one in a
+  loop body once; float32-pinned (``Precision.HIGHEST``) told from default ones."""
+  hi = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+
+  def f(x, y):
+    loop = jax.lax.fori_loop(0, 3, lambda i, z: hi(z, x), x)
+    return hi(x, x) + hi(y, y) + loop + x @ x
+  a = _audit(f, (8, 8), (8, 8))
+  row = a.row()
+  assert (row["products_float32"], row["products_default"]) == (3, 1)
+  assert row["products_float32_distinct"] == 1
+  assert {w for _, w, _ in a.products} == {"every step"}
+
+
 def test_switch_index_through_where_and_clamp_folds():
   def f(x):
     c = jnp.asarray(20, jnp.int32)
