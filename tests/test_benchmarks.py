@@ -202,6 +202,19 @@ def test_device_check_reads_an_interrupted_parallel_pytest_run():
   assert got["slowest"] == [dict(seconds=12.5, test="tests/test_a.py::test_slow")]
 
 
+def test_device_check_compile_table_reads_adams_first_compile_from_the_first_row():
+  """The compile part's table: each optimizer's first round with nothing cached, its last
+  read back from the persistent cache; Adam's own rows come after Adam was first compiled
+  (before the first optimizer), so its uncached figure is the first row's."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import device_check
+  rows = [dict(optimizer="galore", how="cached", rounds_s=[3.0, 1.0], adam_rounds_s=[0.5, 0.1]),
+          dict(optimizer="adam", how="cached", rounds_s=[0.2, 0.1], adam_rounds_s=[0.1, 0.1]),
+          dict(optimizer="adam", how="autotune off", rounds_s=[0.4], adam_rounds_s=[0.4])]
+  assert device_check.compile_table(rows) == ["| galore | 3.0 | 1.0 | n/a |",
+                                              "| adam | 0.5 | 0.1 | 0.4 |"]
+
+
 @pytest.mark.example
 def test_fallback_lr_benchmark_runs_and_writes_its_table(tmp_path):
   """``benchmarks/fallback_lr.py`` on both models for a few steps: every configuration
