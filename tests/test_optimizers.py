@@ -1,6 +1,9 @@
 """Named optimizers against dense float64 re-derivations, and their optax integration."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +139,40 @@ def test_compiles_once_and_not_again_at_refresh(name):
     u, s = step(grads_at(params, t), s)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
   assert len(traces) == 1
+
+
+_LOWER_EVERY_OPTIMIZER = """
+import hashlib, warnings
+import jax, jax.numpy as jnp
+from tests import registry
+warnings.simplefilter("ignore")
+layer = lambda: {"q": jnp.zeros((8, 8)), "k": jnp.zeros((8, 8)), "up": jnp.zeros((8, 12)),
+                 "down": jnp.zeros((12, 8)), "norm": jnp.zeros((8,))}
+tree = {"w": jnp.zeros((6, 10)), "stack": jnp.zeros((2, 8, 5)), "b": jnp.zeros((6,)),
+        "layers": {"0": layer(), "1": layer()}}
+for name in registry.NAMES:
+  for stacked in (False, True):
+    opt = registry.make(name, stack_matrices=stacked)
+    state = jax.eval_shape(opt.init, tree)
+    text = jax.jit(opt.update).lower(tree, state, tree).as_text()
+    print(name, stacked, hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+def test_every_optimizer_lowers_to_the_same_program_in_every_process():
+  """Each optimizer's update lowers to the same program in processes with different
+  string-hash seeds (the iteration order of Python sets and dicts of strings), in both
+  layouts: what every host of a multi-host ``jax.jit`` must agree on, and what JAX's
+  persistent compilation cache keys on."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  runs = [subprocess.run([sys.executable, "-c", _LOWER_EVERY_OPTIMIZER], cwd=root,
+                         env=dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=root,
+                                  JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, check=True).stdout
+          for seed in ("0", "1")]
+  lowered = [line.split()[:2] for line in runs[0].splitlines()]
+  assert lowered == [[n, str(st)] for n in registry.NAMES for st in (False, True)]
+  assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("name", registry.params(default=["racs", "alice", "apollo", "soap"]))
