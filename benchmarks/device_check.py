@@ -15,18 +15,18 @@ still running at its limit is interrupted and keeps what it printed):
    kernels); then RACS in the per-leaf layout; then RACS's update alone with bfloat16
    parameters (:mod:`benchmarks.step_time` ``--dtype``), against Adam's with bfloat16
    moments.
-3. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
-   inside a low-rank refresh (Cholesky and Householder QR, ``r x r`` eigh by QR and by
-   Jacobi, complement columns, the first refresh's Gram eigh, Alice's whole refresh of
-   one group), batched as the stacked layout runs them.
-4. ``tests``: the default test suite (``python -m pytest -n N tests``) at the device's
-   default matmul precision: pass/fail/skip counts, the failures by name, the slowest
-   tests, and how many had not finished if it was interrupted.
-5. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
+3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
    for racs, alice, galore, the optax peers (``optax.contrib.muon`` as ``muon``,
    ``optax.contrib.galore``), soap, alice0, fira and apollo_mini: ordinary, refresh and
    amortised step as ratios to ``optax.adam``'s update in the same process, and compile
    seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
+4. ``tests``: the default test suite (``python -m pytest -n N tests``) at the device's
+   default matmul precision: pass/fail/skip counts, the failures by name, the slowest
+   tests, and how many had not finished if it was interrupted.
+5. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
+   inside a low-rank refresh (Cholesky and Householder QR, ``r x r`` eigh by QR and by
+   Jacobi, complement columns, the first refresh's Gram eigh, Alice's whole refresh of
+   one group), batched as the stacked layout runs them.
 6. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
 7. ``compile``: where the compile time goes: :mod:`benchmarks.step_time` ``--compile-only``
@@ -35,12 +35,13 @@ still running at its limit is interrupted and keeps what it printed):
    GPU autotuning off (``--xla_gpu_autotune_level=0``).
 
 The parts' limits add up past the default 470-second budget: the three training runs
-are capped at 170, 70 and 80 s, the bfloat16 update at 45 s and the factorizations at
-100 s, and on the last H100 the
-suite took over 3.5 minutes (compiling Alice's 60M update alone 35 s). So on one H100 the
-default run is expected to cover parts 1-3 and to cut or skip part 4. The suite and the
-step grid are a second run of their own budget, ``--parts tests,steps,precision`` (with
-``--presets 130M`` for a third).
+are capped at 170, 70 and 80 s and the bfloat16 update at 45 s, each step-grid run at
+150 s (compiling Alice's 60M update alone took 35 s on the last H100), and on that H100
+the suite took over 3.5 minutes. So on one H100 the default run is expected to cover the
+training part and the first step-grid run (60M, stacked: the refresh-step targets) and
+to skip the rest. The suite and the diagnostics are a second run of their own budget,
+``--parts tests,primitives,compile``; the rest of the grid a third, ``--parts
+steps,precision`` with ``--presets``/``--layouts`` naming what is still missing.
 
 Writes ``OUT/<device>-<date>.md`` and ``OUT/<device>-<date>.json`` (the same numbers),
 rewritten after every part so that a run cut short keeps what it finished.
@@ -372,11 +373,13 @@ def compile_table(rows: list) -> list:
           for n, d in by.items()]
 
 
-# The open questions first: the training step (with its profile and RACS per-leaf) and the
-# refresh's factorizations decide the two GPU targets not yet met; the suite passed with
-# no failure on the last device (unfinished at its limit), so it follows them.
-PARTS = {"train": part_train, "primitives": part_primitives, "tests": part_tests,
-         "steps": part_steps, "precision": part_precision, "compile": part_compile}
+# The open questions first: the training step (with its profile, RACS per-leaf and its
+# bfloat16 update) and the step grid's first run (Alice's refresh step) decide the GPU
+# targets not yet measured or met; the suite passed with no failure on the last device
+# (unfinished at its limit), so it follows them; the refresh's factorizations explain a
+# refresh step that misses its target, and the compile part the compile times.
+PARTS = {"train": part_train, "steps": part_steps, "tests": part_tests,
+         "primitives": part_primitives, "precision": part_precision, "compile": part_compile}
 
 
 def markdown(d: dict) -> str:
