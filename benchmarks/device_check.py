@@ -225,17 +225,23 @@ def step_rows(chk: Check, cfg: dict, what: str, preset: str, layout: str, names,
   r = chk.run(what, cmd, cap or cfg["caps"]["steps"], env)
   if r is None:
     return []
-  out, err, code, sec = r
-  rows = jsonl(out)
-  got = {x["optimizer"] for x in rows}
-  missing = [n for n in names if n not in got]
-  if missing:
-    chk.data["skipped"].append(f"{what}: {','.join(missing)} ({'cut at the limit' if code == 'timeout' else 'failed'})")
-    if code not in (0, "timeout"):
-      chk.data.setdefault("errors", []).append(dict(part=what, tail=err[-1500:]))
+  rows = jsonl(r[0])
+  note_missing(chk, what, names, rows, r)
   for x in rows:
     x["layout"] = layout
   return rows
+
+
+def note_missing(chk: Check, what: str, names, rows: list, result: tuple) -> None:
+  """Records the optimizers of ``names`` that a benchmark run printed no row for, as cut
+  at its limit or failed (with the end of its stderr)."""
+  _, err, code, _ = result
+  missing = [n for n in names if n not in {x["optimizer"] for x in rows}]
+  if missing:
+    why = "cut at the limit" if code == "timeout" else "failed"
+    chk.data["skipped"].append(f"{what}: {','.join(missing)} ({why})")
+    if code not in (0, "timeout"):
+      chk.data.setdefault("errors", []).append(dict(part=what, tail=err[-1500:]))
 
 
 def part_steps(chk: Check, cfg: dict):
@@ -335,20 +341,15 @@ def part_compile(chk: Check, cfg: dict):
     for how, repeat, cap, env in runs:
       cmd = [sys.executable, "benchmarks/step_time.py", "--compile-only", "--jsonl",
              "--preset", preset, "--optimizers", ",".join(names), "--repeat", str(repeat)]
-      r = chk.run(f"compile {preset} {how}", cmd, cfg["caps"][cap], env)
+      what = f"compile {preset} {how}"
+      r = chk.run(what, cmd, cfg["caps"][cap], env)
       if r is None:
         continue
       rows = jsonl(r[0])
       for x in rows:
         x["how"] = how
       out += rows
-      missing = [n for n in names if n not in {x["optimizer"] for x in rows}]
-      if missing:
-        chk.data["skipped"].append(f"compile {how}: {','.join(missing)} "
-                                   f"({'cut at the limit' if r[2] == 'timeout' else 'failed'})")
-        if r[2] not in (0, "timeout"):
-          chk.data.setdefault("errors", []).append(dict(part=f"compile {how}",
-                                                        tail=r[1][-1500:]))
+      note_missing(chk, what, names, rows, r)
       chk.write()
   finally:
     shutil.rmtree(cache, ignore_errors=True)
