@@ -165,6 +165,7 @@ def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, di
   # ``None`` (not 0) means no decay, as in optax: then a traced weight decay under
   # ``optax.inject_hyperparams`` gives the same state structure as a Python number
   decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
+  dims = matrices.as_dims(dims)  # optax.contrib.MuonDimensionNumbers trees read here
   stack = stacking.resolve(stack)
   structured = optax.chain(*blocks(None if stack else dims), *decay,
                            optax.scale_by_learning_rate(learning_rate))

@@ -33,6 +33,14 @@ output ``(heads, head_dim, out)``)           ``heads*head_dim x out``           
                                                                                  ``mask``)
 biases, norm scales, any other parameter     ``NOT_A_MATRIX``                    fallback
 of a known module
+``kernel`` of another module that declares   in-feature axes x out-feature axes; MaxText
+its features (``in_features_shape`` and      the other axes, wherever they sit,
+``out_features_shape``, or ``in_features``   are layers (by shape; a tie broken
+and ``out_features``)                        by their logical names)
+a parameter whose logical axis names         the two other axes, in order        MaxText
+(sharding metadata) call all but two of                                          MoE
+its axes layers or experts
+(``BATCH_AXIS_NAMES``)
 a 2-D parameter of another module            its two axes, ``(in, out)``
 a parameter of another module with more      ``Unclassified``: fallback, flagged
 than two dims                                by ``describe``; route it with
@@ -138,14 +146,81 @@ def _layer_dims(lib, module, name: str, ndim: int):
   return None
 
 
-def _other_module(module, path, ndim: int):
-  """A parameter of a module no rule knows: an einsum spec it carries, else its two
-  axes when 2-D, else unclassified."""
+# Logical axis names (a ``Param``'s sharding metadata) of axes that index independent
+# matrices: scanned layers (``nnx.scan``/``nn.scan``'s partition name, MaxText's
+# ``"layers"``), pipeline stages, mixture-of-experts experts (MaxText's ``"exp"``).
+BATCH_AXIS_NAMES = ("layers", "layer", "stage", "stages", "exp", "expert", "experts",
+                    "num_experts")
+
+
+def _is_batch_name(name) -> bool:
+  return isinstance(name, str) and name in BATCH_AXIS_NAMES
+
+
+def _declared_features(module) -> Optional[tuple]:
+  """``(in_shape, out_shape)`` a DenseGeneral-like module declares (MaxText's
+  ``in_features_shape``/``out_features_shape``, or ``in_features``/``out_features`` as
+  ints or tuples of ints), else ``None``."""
+  for a, b in (("in_features_shape", "out_features_shape"), ("in_features", "out_features")):
+    i, o = getattr(module, a, None), getattr(module, b, None)
+    i = (i,) if isinstance(i, int) else i
+    o = (o,) if isinstance(o, int) else o
+    if (isinstance(i, (tuple, list)) and isinstance(o, (tuple, list)) and i and o
+        and all(isinstance(n, int) for n in tuple(i) + tuple(o))):
+      return tuple(i), tuple(o)
+  return None
+
+
+def _declared_general(shape: tuple, features: tuple, names: Optional[tuple]):
+  """A kernel ``in_shape + out_shape`` with extra layer axes anywhere (MaxText scans its
+  layers at axis 1): the extra axes are found by shape, ties broken by their logical
+  names; ``None`` when the shape does not hold the declared features, ``Unclassified``
+  when it holds them in several ways."""
+  import itertools
+  in_shape, out_shape = features
+  want = in_shape + out_shape
+  k = len(shape) - len(want)
+  if k < 0:
+    return None
+  found = []
+  for extra in itertools.combinations(range(len(shape)), k):
+    rest = [a for a in range(len(shape)) if a not in extra]
+    if tuple(shape[a] for a in rest) == want:
+      found.append((extra, tuple(rest[:len(in_shape)]), tuple(rest[len(in_shape):])))
+  if names is not None and len(names) == len(shape) and len(found) > 1:
+    named = [f for f in found if all(_is_batch_name(names[a]) for a in f[0])]
+    found = named or found
+  views = {(r, c) for _, r, c in found}
+  if not views:
+    return None
+  if len(views) > 1:
+    return matrices.Unclassified(
+        f"kernel of shape {shape} holds its declared features {in_shape} -> {out_shape} "
+        "in several ways (layer axes of the same size); give its dims with "
+        "overrides={path regex: fo.MatrixDims(rows=..., cols=...)}")
+  rows, cols = views.pop()
+  return matrices.MatrixDims(rows=rows, cols=cols)
+
+
+def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tuple] = None):
+  """A parameter of a module no rule knows: an einsum spec it carries; a kernel of the
+  input and output features the module declares (a DenseGeneral of another library,
+  layer axes anywhere); the axes left once those its logical names call layers or
+  experts are set aside, when two; else its two axes when 2-D; else unclassified."""
   spec = getattr(module, "einsum_str", None) if module is not None else None
   if isinstance(spec, str) and ndim >= 2:
     return _einsum(spec, ndim)
   if routing.is_vector_name(path) or ndim < 2:
     return matrices.NOT_A_MATRIX
+  features = _declared_features(module) if module is not None else None
+  if features is not None and matrices.path_to_str(path).rsplit("/", 1)[-1] == "kernel":
+    d = _declared_general(tuple(shape), features, names)
+    if d is not None:
+      return d
+  if names is not None and len(names) == ndim and ndim > 2:
+    rest = tuple(a for a in range(ndim) if not _is_batch_name(names[a]))
+    if len(rest) == 2:
+      return matrices.MatrixDims(rows=rest[0], cols=rest[1])
   if ndim == 2:
     return matrices.MatrixDims()
   owner = type(module).__name__ if module is not None else "no module"
@@ -226,12 +301,17 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
   owners = {matrices.path_to_str(path): module for path, module in nnx.iter_graph(model)
             if isinstance(module, nnx.Module)}
   table = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  for path, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param),
+                                                      is_leaf=is_var)[0]:
     key = matrices.path_to_str(path)
     module = _owner(owners, key)
-    ndim = len(getattr(x, "shape", ()))
-    d = _layer_dims(nnx, module, key.split("/")[-1], ndim) if module is not None else None
-    table[key] = d if d is not None else _other_module(module, path, ndim)
+    x = v.get_value() if is_var(v) else v
+    names = v.get_metadata("out_sharding", None) if is_var(v) else None
+    shape = tuple(getattr(x, "shape", ()))
+    d = _layer_dims(nnx, module, key.split("/")[-1], len(shape)) if module is not None else None
+    table[key] = d if d is not None else _other_module(
+        module, path, len(shape), shape, tuple(names) if names else None)
   return FlaxDims(matrices.apply_overrides(table, overrides, "fo.flax_dims"))
 
 
@@ -275,10 +355,15 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
     variables = jax.eval_shape(init)
   params = variables.get("params", {})
   table = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+  boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731  (nn.with_logical_partitioning)
+  for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=boxed)[0]:
+    names = tuple(x.names) if boxed(x) else None
+    if boxed(x):
+      x = x.value
+      path = path + (jax.tree_util.GetAttrKey("value"),)  # the box's own path to its array
     key = matrices.path_to_str(path)
     owner = _owner(owners, key)
-    ndim = len(x.shape)
-    d = _layer_dims(nn, owner, key.split("/")[-1], ndim) if owner is not None else None
-    table[key] = d if d is not None else _other_module(owner, path, ndim)
+    shape = tuple(x.shape)
+    d = _layer_dims(nn, owner, key.split("/")[-1], len(shape)) if owner is not None else None
+    table[key] = d if d is not None else _other_module(owner, path, len(shape), shape, names)
   return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims"))

@@ -178,6 +178,67 @@ def apply_overrides(table: dict, overrides: Optional[dict], helper: str) -> dict
   return out
 
 
+def _muon_dims_type() -> Optional[type]:
+  import optax.contrib
+  return getattr(optax.contrib, "MuonDimensionNumbers", None)
+
+
+def _from_muon(d: Any, mdn: type) -> MatrixDims:
+  """One ``optax.contrib.MuonDimensionNumbers`` (or ``None``) as a ``dims`` entry."""
+  if d is None:
+    return NOT_A_MATRIX
+  if isinstance(d, mdn):
+    return MatrixDims(rows=d.reduction_axis, cols=d.output_axis)
+  return d
+
+
+class MuonDims(ModelDims):
+  """A ``dims=`` rule from a tree of ``optax.contrib.MuonDimensionNumbers`` (as
+  ``optax.contrib.muon``'s ``muon_weight_dimension_numbers`` and MaxText give it):
+  reduction axes are the rows, output axes the columns, every other axis a batch axis
+  (a layer axis in the middle, experts), and a ``None`` entry a leaf that is no matrix
+  (:data:`NOT_A_MATRIX`, the fallback), as in optax. Built by :func:`as_dims`; keyed by
+  parameter path like :class:`ModelDims`, so the tree may be a ``dict``, an
+  ``nnx.State`` or a Linen ``{"params": ...}`` dict whatever the container of the
+  parameters is."""
+
+  helper = "dims from optax.contrib.MuonDimensionNumbers"
+
+
+def as_dims(dims: Any) -> Any:
+  """``dims`` with ``optax.contrib.MuonDimensionNumbers`` read as :class:`MatrixDims`: a
+  tree of them (``None`` for the leaves that are no matrices) becomes a :class:`MuonDims`
+  rule; a callable returning one returns the converted tree; one
+  ``MuonDimensionNumbers`` for all leaves is one :class:`MatrixDims`. Every other
+  ``dims`` is returned as it is."""
+  mdn = _muon_dims_type()
+  if mdn is None or dims is None or isinstance(dims, (MatrixDims, DimsRule)):
+    return dims
+  if isinstance(dims, mdn):
+    return _from_muon(dims, mdn)
+  if callable(dims):
+    if getattr(dims, "_fo_muon_dims", False):
+      return dims
+
+    def converted(params):
+      return _convert_muon_tree(dims(params), mdn)
+
+    converted._fo_muon_dims = True  # type: ignore[attr-defined]
+    return converted
+  is_entry = lambda x: x is None or isinstance(x, (mdn, MatrixDims))  # noqa: E731
+  flat = jax.tree_util.tree_flatten_with_path(dims, is_leaf=is_entry)[0]
+  if not any(isinstance(d, mdn) for _, d in flat):
+    return dims
+  return MuonDims({path_to_str(p): _from_muon(d, mdn) for p, d in flat})
+
+
+def _convert_muon_tree(tree: Any, mdn: type) -> Any:
+  is_entry = lambda x: x is None or isinstance(x, (mdn, MatrixDims))  # noqa: E731
+  if not any(isinstance(d, mdn) for d in jax.tree.leaves(tree, is_leaf=is_entry)):
+    return tree
+  return jax.tree.map(lambda d: _from_muon(d, mdn), tree, is_leaf=is_entry)
+
+
 def einsum_dims(spec: str, ndim: int, operand: int = 1) -> MatrixDims:
   """The matrix view of the weight of a parametrized einsum (``nnx.Einsum``,
   ``linen.Einsum``, Gemma's ``Einsum``): ``spec`` such as ``"BTD,NDH->BTNH"``, the
@@ -364,6 +425,7 @@ def matrix_view(shape: Sequence[int], dims: Optional[MatrixDims] = None, *,
 
 def resolve_dims(dims: DimsSpec, tree: Any) -> Any:
   """Returns a tree (structure of ``tree``) of :class:`MatrixDims` or ``None`` leaves."""
+  dims = as_dims(dims)
   if dims is None or isinstance(dims, MatrixDims):
     d = dims or MatrixDims()
     return jax.tree.map(lambda _: d, tree)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax.lifting import cast_like
-from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, check_prefix,
+from fisher_optax.parallel import variables
+from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, Unclassified, as_dims, check_prefix,
                                    is_matrix_shape, normalize_axes, path_to_str, resolve_dims)
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
@@ -69,6 +70,7 @@ def default_mask(params: Any, dims: DimsSpec = None) -> Any:
 def _given_dims(dims: DimsSpec, params: Any) -> Any:
   """``dims`` as given per leaf of ``params`` (``None`` where a tree holds ``None``),
   without the default that :func:`resolve_dims` fills in."""
+  dims = as_dims(dims)
   if isinstance(dims, DimsRule):
     dims = dims.resolve(params)
   elif callable(dims):
@@ -84,6 +86,7 @@ def check_dims(params: Any, dims: DimsSpec) -> None:
   range on a leaf of ndim >= 2, or a :class:`MatrixDims` given for that very leaf (a
   tree or rule entry, not one ``MatrixDims`` for all) of ndim < 2. ``None`` and
   :data:`NOT_A_MATRIX` entries fit every leaf."""
+  dims = as_dims(dims)
   if dims is None:
     return
   per_leaf = not isinstance(dims, MatrixDims)
@@ -276,8 +279,16 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   tx = optax.partition({"structured": structured, "fallback": fallback}, labels)
 
   def init(params):
+    if variables.has_variables(params):  # nnx.Optimizer: state leaves named by their shape
+      pure = variables.unwrap(params)
+      return variables.name_state(out, init_arrays(pure, 4), params, pure, dims)
+    return init_arrays(params, 4)
+
+  def init_arrays(params, stacklevel):
     if mask is None and dims is None:
-      _warn_unrouted(params, (info or {}).get("name", "structured"))
+      _warn_unrouted(params, (info or {}).get("name", "structured"), stacklevel)
+    _warn_unclassified(params, dims, labels(params), (info or {}).get("name", "structured"),
+                       stacklevel)
     state = tx.init(params)
     for found in _RECORDERS:
       found.append(RoutedInit(out, _shape_struct(params), labels(params), _shape_struct(state)))
@@ -286,6 +297,11 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   name = (info or {}).get("name", "structured")
 
   def update(updates, state, params=None, **extra):
+    if any(map(variables.has_variables, (updates, state, params))):
+      # trees of nnx.Variables given by hand (nnx.Optimizer passes arrays): the update runs
+      # on their values and returns updates and state wrapped as they came
+      new, new_state = update(*map(variables.unwrap, (updates, state, params)), **extra)
+      return variables.rewrap_like(updates, new), variables.rewrap_like(state, new_state)
     check_state(tx.init, updates, state, name)
     return tx.update(updates, state, params, **extra)
 
@@ -294,7 +310,7 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   return out
 
 
-def _warn_unrouted(params: Any, name: str) -> None:
+def _warn_unrouted(params: Any, name: str, stacklevel: int = 3) -> None:
   """Warns when the default routing sends weight kernels to the fallback: leaves with more
   than two dims (not a bias's or norm scale's name) and no ``dims`` to say which axes are
   the matrix. They then train with the fallback's Adam at the fallback's learning rate,
@@ -313,7 +329,30 @@ def _warn_unrouted(params: Any, name: str) -> None:
         "with dims=fo.flax_dims(model) (NNX), fo.linen_dims(module, x) (Linen), "
         "fo.equinox_dims(model) (Equinox) or fo.MatrixDims(...); or pass mask= to keep "
         "them on the fallback on purpose, with fallback_learning_rate= at Adam's own rate.",
-        UserWarning, stacklevel=3)
+        UserWarning, stacklevel=stacklevel)
+
+
+def _warn_unclassified(params: Any, dims: DimsSpec, labels: Any, name: str,
+                       stacklevel: int = 3) -> None:
+  """Warns when leaves that a model rule could not classify (``fo.Unclassified``) go to
+  the fallback: they are kernels it did not know, trained with Adam at the fallback's
+  learning rate. The warning names them, why, and the fix."""
+  if dims is None or isinstance(dims, MatrixDims):
+    return
+  dims_tree = resolve_dims(dims, params)
+  flat = jax.tree_util.tree_flatten_with_path(
+      dims_tree, is_leaf=lambda x: isinstance(x, MatrixDims))[0]
+  lab = jax.tree.leaves(labels)
+  found = [(path_to_str(p), d.reason) for (p, d), l in zip(flat, lab)
+           if isinstance(d, Unclassified) and l == "fallback"]
+  if found:
+    listed = "; ".join(f"{p!r}: {why}" for p, why in found[:5])
+    more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
+    warnings.warn(
+        f"fo.{name}: {len(found)} {'leaf' if len(found) == 1 else 'leaves'} the dims rule "
+        f"could not classify go to the fallback: {listed}{more}. Give their dims with the "
+        "rule's overrides={path regex: fo.MatrixDims(rows=..., cols=...)}, or send them to "
+        "the fallback on purpose with fo.NOT_A_MATRIX there.", UserWarning, stacklevel=stacklevel)
 
 
 _GROUP_KEY = re.compile(r" \d+x\d+$")

@@ -26,6 +26,7 @@ with single-device runs).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import jax
@@ -83,7 +84,7 @@ def _axis_size(mesh: Optional[Mesh], entry) -> int:
   names = entry if isinstance(entry, tuple) else (entry,)
   size = 1
   for n in names:
-    size *= mesh.shape[n]
+    size *= mesh.shape.get(n, 1)  # a logical name (mapped by rules later) is not checked
   return size
 
 
@@ -135,6 +136,14 @@ def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
   return P(*out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Owned:
+  """A state leaf's owner (index of its parameter leaf, or ``None``) and its spec; not a
+  pytree node, so a tree of them has the state's structure."""
+  owner: Optional[int]
+  spec: P
+
+
 def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.DimsSpec = None,
                           mesh: Optional[Mesh] = None) -> Any:
   """``PartitionSpec`` tree for ``tx.init(params)``.
@@ -147,32 +156,43 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
       built with (its ``dims=``), else the last two axes.
     mesh: if given, mesh axes that do not divide a dimension are dropped.
   """
+  state_shapes = jax.eval_shape(tx.init, params)
+  owned = owned_specs(tx, state_shapes, params, param_specs, dims=dims, mesh=mesh)
+  return jax.tree.map(lambda o: o.spec, owned)
+
+
+def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
+                dims: matrices.DimsSpec = None, mesh: Optional[Mesh] = None) -> Any:
+  """For each leaf of ``state`` (``tx``'s state for ``params``, arrays or shapes): an
+  :class:`Owned` ``(owner, spec)``, ``owner`` the index of the parameter leaf it belongs to (in
+  ``jax.tree.leaves(params)`` order; a stack's first member under the stacked layout) or
+  ``None``, ``spec`` its ``PartitionSpec`` by the rules of :func:`state_partition_specs`.
+  """
   if dims is None and isinstance(tx, routing.RoutedTransformation):
     dims = tx.dims
-  state_shapes = jax.eval_shape(tx.init, params)
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: x is None or isinstance(x, P))
   dims_tree = matrices.resolve_dims(dims, params)
   d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
-  by_path = {tuple(path): (leaf.shape, spec, d)
-             for (path, leaf), spec, d in zip(p_leaves, s_leaves, d_leaves)}
+  by_path = {tuple(path): (leaf.shape, spec, d, i)
+             for i, ((path, leaf), spec, d) in enumerate(zip(p_leaves, s_leaves, d_leaves))}
   if stacking.is_stacked(tx):
     by_path.update(_stack_owners(stacking.stacks_of(params, tx.labels(params), dims), s_leaves))
   max_len = max((len(k) for k in by_path), default=0)
 
-  roles = field_roles(state_shapes)
+  roles = field_roles(state)
 
   def spec_for(path, leaf):
     path = tuple(path)
     for n in range(min(max_len, len(path)), 0, -1):
       hit = by_path.get(path[-n:])
       if hit is not None:
-        pshape, pspec, d = hit
+        pshape, pspec, d, owner = hit
         role = roles.get(jax.tree_util.keystr(path), "auto")
-        return _leaf_spec(leaf.shape, role, pshape, pspec, d, mesh)
-    return P()
+        return Owned(owner, _leaf_spec(leaf.shape if hasattr(leaf, "shape") else jax.numpy.shape(leaf), role, pshape, pspec, d, mesh))
+    return Owned(None, P())
 
-  return jax.tree_util.tree_map_with_path(spec_for, state_shapes)
+  return jax.tree_util.tree_map_with_path(spec_for, state)
 
 
 def _stack_owners(stacks: list, spec_leaves: list) -> dict:
@@ -186,7 +206,8 @@ def _stack_owners(stacks: list, spec_leaves: list) -> dict:
     rows = {e[v.rows[0]] for e, v in entries}
     cols = {e[v.cols[0]] for e, v in entries}
     spec = P(None, rows.pop() if len(rows) == 1 else None, cols.pop() if len(cols) == 1 else None)
-    out[(jax.tree_util.DictKey(s.name),)] = (s.shape, spec, matrices.MatrixDims())
+    out[(jax.tree_util.DictKey(s.name),)] = (s.shape, spec, matrices.MatrixDims(),
+                                             s.members[0][0])
   return out
 
 
