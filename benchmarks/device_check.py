@@ -3,6 +3,9 @@
     python benchmarks/device_check.py [--out benchmarks/results/device] [--budget 470]
     python benchmarks/device_check.py --smoke --out /tmp/check      # toy sizes, CPU, minutes
 
+``--smoke`` runs every part at toy sizes with no time limit and no budget: it checks that
+each part runs and writes its rows, whatever the machine's speed or load.
+
 Parts, in this order (each a subprocess with a time limit; a part that would start with
 too little of ``--budget`` left is recorded as skipped, never silently dropped; a part
 still running at its limit is interrupted and keeps what it printed):
@@ -86,16 +89,13 @@ FULL = dict(presets=("60M", "130M"),
             tests=["tests"], caps=dict(tests=240, steps=150, train=170, train_profile=70,
                                        train_layout=80, update_dtype=45, precision=90,
                                        primitives=100, compile=150, compile_autotune=90))
+# no caps: a smoke run is never cut (Check.run)
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
              train_rounds=1, train_steps=1, precision_optimizers=("galore",),
              compile_optimizers=("adam", "galore"),
-             tests=["tests/test_refresh.py"], caps=dict(tests=300, steps=300, train=300,
-                                                        train_profile=300, train_layout=300,
-                                                        update_dtype=300, precision=300,
-                                                        primitives=300, compile=300,
-                                                        compile_autotune=300))
+             tests=["tests/test_refresh.py"], caps=dict.fromkeys(FULL["caps"], float("inf")))
 
 
 class Check:
@@ -108,6 +108,10 @@ class Check:
         datetime.timezone.utc).isoformat(timespec="seconds"), parts={}, skipped=[])
 
   def left(self) -> float:
+    """Seconds of the budget left; a smoke run has no budget (it checks that every part
+    runs and writes its rows, on any machine however slow or loaded)."""
+    if self.smoke:
+      return float("inf")
     return self.budget - (time.monotonic() - self.t0)
 
   def run(self, what: str, cmd: list, cap: float, env: dict | None = None):
@@ -116,12 +120,13 @@ class Check:
     are left. A command still running 15 s before its limit is interrupted (SIGINT, then
     killed at the limit) and returns what it printed, code ``"timeout"``: an interrupted
     pytest prints its counts so far."""
-    limit = min(cap, self.left())
+    limit = float("inf") if self.smoke else min(cap, self.left())  # smoke: never cut
     if limit < 20:
       self.data["skipped"].append(what)
       print(f"[device_check] skipped {what}: {self.left():.0f} s of the budget left", flush=True)
       return None
-    print(f"[device_check] {what} (limit {limit:.0f} s)", flush=True)
+    print(f"[device_check] {what} (limit {limit:.0f} s)" if limit < float("inf") else
+          f"[device_check] {what} (smoke run: no limit)", flush=True)
     t = time.monotonic()
     full_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1",
                     **(env or {}))
@@ -130,7 +135,7 @@ class Check:
     p = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
-      out, err = p.communicate(timeout=max(limit - 15, 5))
+      out, err = p.communicate(timeout=max(limit - 15, 5) if limit < float("inf") else None)
       return out, err, p.returncode, time.monotonic() - t
     except subprocess.TimeoutExpired:
       # an interrupt first: pytest then prints its counts and failures so far

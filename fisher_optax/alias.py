@@ -72,9 +72,10 @@ _COMMON_ARGS = """\
       ``static_args`` (optax calls callables as schedules); a ``fo.path_mask`` is no
       callable and needs nothing.
     dims: which axes of each leaf are the matrix rows and columns
-      (:class:`~fisher_optax.MatrixDims`, a tree or callable of them, or
-      :func:`~fisher_optax.flax_dims` for a Flax NNX model); other axes are stacks of
-      independent matrices. Default ``None``: 2-D leaves as ``(m, n)``, leaves with more
+      (:class:`~fisher_optax.MatrixDims`, a tree or callable of them,
+      :func:`~fisher_optax.flax_dims` for a Flax NNX model, or a tree of
+      ``optax.contrib.MuonDimensionNumbers`` as ``optax.contrib.muon`` and MaxText take,
+      ``None`` entries to the fallback); other axes are stacks of independent matrices. Default ``None``: 2-D leaves as ``(m, n)``, leaves with more
       dims to the fallback. A ``dims`` that does not fit its leaf (axes out of range, a
       ``MatrixDims`` given for a vector) raises a ``ValueError`` naming the leaf at
       ``init``. ``fo.flax_dims`` rules pass through ``optax.inject_hyperparams``; a

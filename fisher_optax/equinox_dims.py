@@ -106,7 +106,8 @@ def _leaf_dims(eqx, module: Any, name: Optional[str], path, ndim: int):
       "overrides={path regex: fo.MatrixDims(rows=..., cols=...)}")
 
 
-def equinox_dims(model: Any, *, overrides: Optional[dict] = None) -> EquinoxDims:
+def equinox_dims(model: Any, *, overrides: Optional[dict] = None,
+                 on_unmatched: str = "raise") -> EquinoxDims:
   """The matrix view of every array of an Equinox ``model`` (Equinox's ``(out, in)``
   layouts: rows = fan-in, columns = fan-out), as a ``dims=`` rule.
 
@@ -122,16 +123,21 @@ def equinox_dims(model: Any, *, overrides: Optional[dict] = None) -> EquinoxDims
   Args:
     model: an ``equinox.Module`` (or a pytree of them).
     overrides: ``{path regex: MatrixDims or NOT_A_MATRIX}`` over the layer rules (first
-      matching pattern wins; a pattern matching no path is an error).
+      matching pattern wins); an override that does not fit a leaf it matches raises a
+      ``ValueError`` here.
+    on_unmatched: a pattern of ``overrides`` that matches no path: ``"raise"``
+      (default), ``"warn"`` or ``"ignore"``, as :func:`~fisher_optax.path_mask`'s.
 
   Raises:
     ImportError: equinox is not installed.
   """
   eqx = _import_equinox()
-  table = {}
+  table, ndims = {}, {}
   for path, x in jax.tree_util.tree_flatten_with_path(model)[0]:
     if not eqx.is_array(x):
       continue
     module, name = _owner(model, path, eqx.Module)
     table[matrices.path_to_str(path)] = _leaf_dims(eqx, module, name, path, len(x.shape))
-  return EquinoxDims(matrices.apply_overrides(table, overrides, "fo.equinox_dims"))
+    ndims[matrices.path_to_str(path)] = len(x.shape)
+  return EquinoxDims(matrices.apply_overrides(table, overrides, "fo.equinox_dims", ndims,
+                                              on_unmatched))

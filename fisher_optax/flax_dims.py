@@ -270,7 +270,8 @@ def _not_nnx(model: Any) -> Optional[str]:
   return f"fo.flax_dims reads a Flax NNX model (an nnx.Module), got {type(model).__name__}"
 
 
-def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
+def flax_dims(model: Any, *, overrides: Optional[dict] = None,
+              on_unmatched: str = "raise") -> FlaxDims:
   """The :class:`MatrixDims` (or :data:`NOT_A_MATRIX`) of every parameter of an NNX
   ``model``, as a ``dims=`` rule (:class:`FlaxDims`) that maps any tree whose paths are
   the model's parameter paths -- ``nnx.state(model, nnx.Param)``, its pure-dict form, or
@@ -288,7 +289,11 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
   Args:
     model: an ``nnx.Module``.
     overrides: ``{path regex: MatrixDims or NOT_A_MATRIX}``, applied over the module
-      rules (first matching pattern wins; a pattern matching no path is an error).
+      rules (first matching pattern wins); an override that does not fit a leaf it
+      matches raises a ``ValueError`` here.
+    on_unmatched: a pattern of ``overrides`` that matches no path: ``"raise"`` (default:
+      a typo would leave the rule unchanged), ``"warn"`` or ``"ignore"`` (one overrides
+      dict for several models), as :func:`~fisher_optax.path_mask`'s.
 
   Raises:
     TypeError: ``model`` is a Linen module, a parameter dict or an Equinox model (the
@@ -300,7 +305,7 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
     raise TypeError(_not_nnx(model))
   owners = {matrices.path_to_str(path): module for path, module in nnx.iter_graph(model)
             if isinstance(module, nnx.Module)}
-  table = {}
+  table, ndims = {}, {}
   is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
   for path, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param),
                                                       is_leaf=is_var)[0]:
@@ -309,14 +314,17 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None) -> FlaxDims:
     x = v.get_value() if is_var(v) else v
     names = v.get_metadata("out_sharding", None) if is_var(v) else None
     shape = tuple(getattr(x, "shape", ()))
+    ndims[key] = len(shape)
     d = _layer_dims(nnx, module, key.split("/")[-1], len(shape)) if module is not None else None
     table[key] = d if d is not None else _other_module(
         module, path, len(shape), shape, tuple(names) if names else None)
-  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.flax_dims"))
+  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.flax_dims", ndims,
+                                           on_unmatched))
 
 
 def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = None,
-               method: Any = None, **example_kwargs: Any) -> FlaxDims:
+               on_unmatched: str = "raise", method: Any = None,
+               **example_kwargs: Any) -> FlaxDims:
   """:func:`flax_dims` for a Flax Linen ``module``: the dims of every parameter, read
   from the layers that own them.
 
@@ -332,6 +340,7 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
     module: an unbound ``flax.linen.Module``.
     *example_inputs: arguments of its ``__call__`` (arrays or ``jax.ShapeDtypeStruct``).
     overrides: as in :func:`flax_dims`.
+    on_unmatched: as in :func:`flax_dims`.
     method: the method to trace instead of ``__call__`` (as ``Module.init``'s).
     **example_kwargs: keyword arguments of the call.
 
@@ -351,10 +360,13 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
 
   init = lambda: module.init(jax.random.key(0), *example_inputs, method=method,  # noqa: E731
                              **example_kwargs)
-  with nn.intercept_methods(record):
+  # under jax.disable_jit the bodies of nn.jit modules run at every trace: nn.jit caches
+  # its traced body, so a second trace with the same shapes (or one after module.init)
+  # would not call the submodules and the interceptor would see none of them
+  with nn.intercept_methods(record), jax.disable_jit():
     variables = jax.eval_shape(init)
   params = variables.get("params", {})
-  table = {}
+  table, ndims = {}, {}
   boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731  (nn.with_logical_partitioning)
   for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=boxed)[0]:
     names = tuple(x.names) if boxed(x) else None
@@ -364,6 +376,8 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
     key = matrices.path_to_str(path)
     owner = _owner(owners, key)
     shape = tuple(x.shape)
+    ndims[key] = len(shape)
     d = _layer_dims(nn, owner, key.split("/")[-1], len(shape)) if owner is not None else None
     table[key] = d if d is not None else _other_module(owner, path, len(shape), shape, names)
-  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims"))
+  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims", ndims,
+                                           on_unmatched))

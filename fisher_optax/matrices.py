@@ -155,10 +155,20 @@ class ModelDims(DimsRule):
     return f"{type(self).__name__}({len(self.table)} parameters)"
 
 
-def apply_overrides(table: dict, overrides: Optional[dict], helper: str) -> dict:
+def apply_overrides(table: dict, overrides: Optional[dict], helper: str,
+                    ndims: Optional[dict] = None, on_unmatched: str = "raise") -> dict:
   """``table`` with ``overrides`` (``{path regex: MatrixDims or NOT_A_MATRIX}``, the first
-  pattern that ``re.search``-es a path wins) applied; a pattern that matches no path
-  raises a ``ValueError``, since a typo would silently leave the rule unchanged."""
+  pattern that ``re.search``-es a path wins) applied.
+
+  A pattern that matches no path raises a ``ValueError`` (a typo would silently leave the
+  rule unchanged), or warns / passes with ``on_unmatched="warn"`` / ``"ignore"`` (one
+  overrides dict for several models). With ``ndims`` (``{path: number of axes}``), an
+  override that does not fit a leaf it matches -- axes out of range, or an
+  :class:`Unclassified` such as :func:`einsum_dims` gives for a spec of another rank --
+  raises a ``ValueError`` naming the leaf."""
+  if on_unmatched not in ("raise", "warn", "ignore"):
+    raise ValueError(f"{helper}: `on_unmatched` must be 'raise', 'warn' or 'ignore', got "
+                     f"{on_unmatched!r}")
   if not overrides:
     return dict(table)
   out = dict(table)
@@ -167,15 +177,35 @@ def apply_overrides(table: dict, overrides: Optional[dict], helper: str) -> dict
     if not isinstance(d, MatrixDims):
       raise TypeError(f"{helper}: overrides[{pat.pattern!r}] must be a fo.MatrixDims or "
                       f"fo.NOT_A_MATRIX, got {d!r}")
-    if not any(pat.search(k) for k in table):
-      raise ValueError(f"{helper}: overrides pattern {pat.pattern!r} matches no parameter "
-                       f"path (paths look like {sorted(table)[:3]})")
+    if not any(pat.search(k) for k in table) and on_unmatched != "ignore":
+      msg = (f"{helper}: overrides pattern {pat.pattern!r} matches no parameter path "
+             f"(paths look like {sorted(table)[:3]})")
+      if on_unmatched == "raise":
+        raise ValueError(msg + "; pass on_unmatched='warn' or 'ignore' if this is intended")
+      import warnings
+      warnings.warn(msg, UserWarning, stacklevel=3)
   for k in table:
     for pat, d in compiled:
       if pat.search(k):
+        _check_override(k, d, pat.pattern, helper, None if ndims is None else ndims.get(k))
         out[k] = d
         break
   return out
+
+
+def _check_override(path: str, d: MatrixDims, pattern: str, helper: str,
+                    ndim: Optional[int]) -> None:
+  where = f"{helper}: overrides[{pattern!r}] for leaf {path!r}"
+  if isinstance(d, Unclassified):
+    raise ValueError(f"{where} does not fit it: {d.reason}")
+  if ndim is None or isinstance(d, NotAMatrix):
+    return
+  if ndim < 2:
+    raise ValueError(f"{where}: {d} needs a leaf with two or more axes, this one has {ndim}")
+  try:
+    normalize_axes(ndim, d)
+  except ValueError as e:
+    raise ValueError(f"{where} of {ndim} axes: {e}") from None
 
 
 def _muon_dims_type() -> Optional[type]:

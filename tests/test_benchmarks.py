@@ -10,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 
+from tests.util import HANG_S
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -31,7 +33,7 @@ def test_paper_memory_table_reproduced(name):
 def test_step_time_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
                         "tiny", "--optimizers", "racs,alice", "--reps", "2", "--json"],
-                       capture_output=True, text=True, timeout=600, check=True)
+                       capture_output=True, text=True, timeout=HANG_S, check=True)
   import json
   rows = json.loads(out.stdout)
   assert [r["optimizer"] for r in rows] == ["racs", "alice"]
@@ -51,7 +53,7 @@ def test_step_time_compile_only_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
                         "tiny", "--optimizers", "apollo_mini", "--compile-only", "--json",
                         "--repeat", "2"],
-                       capture_output=True, text=True, timeout=600, check=True)
+                       capture_output=True, text=True, timeout=HANG_S, check=True)
   (row,) = json.loads(out.stdout)
   assert row["optimizer"] == "apollo_mini" and row["compile_s"] > 0 and row["adam_compile_s"] > 0
   assert row["repeat"] == 2 and len(row["ratios"]) == 2  # the fastest of two rounds
@@ -103,7 +105,7 @@ def test_step_time_stacked_tree_routes_layer_stacks():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--preset",
                         "tiny", "--optimizers", "racs", "--compile-only", "--stacked",
                         "--layers", "3", "--json"],
-                       capture_output=True, text=True, timeout=600, check=True)
+                       capture_output=True, text=True, timeout=HANG_S, check=True)
   (row,) = json.loads(out.stdout)
   assert row["stacked"] and row["layers"] == 3 and row["compile_s"] > 0
 
@@ -113,7 +115,7 @@ def test_train_throughput_benchmark_runs_on_tiny():
   out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"),
                         "--preset", "tiny", "--optimizers", "racs", "--steps", "1",
                         "--rounds", "1", "--batch-size", "2", "--json"],
-                       capture_output=True, text=True, timeout=600, check=True)
+                       capture_output=True, text=True, timeout=HANG_S, check=True)
   import json
   rows = {r["optimizer"]: r for r in json.loads(out.stdout)}
   assert abs(rows["adam"]["ratio_to_adam"] - 1) < 1e-9  # the reference, same process
@@ -151,7 +153,7 @@ def test_device_check_smoke_writes_every_part(tmp_path):
   """``device_check.py --smoke``: every part at toy sizes, the report and its JSON."""
   import json
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_check.py"), "--smoke",
-                  "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                  "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S,
                  check=True)
   (md,) = tmp_path.glob("*.md")
   (js,) = tmp_path.glob("*.json")
@@ -224,7 +226,7 @@ def test_fallback_lr_benchmark_runs_and_writes_its_table(tmp_path):
                         "--models", "linen,equinox", "--steps", "3", "--seeds", "0",
                         "--configs", "adam 1e-3;racs 2e-2, no dims;racs 2e-2, dims",
                         "--json", str(tmp_path / "r.json"), "--table", str(table)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   assert out.returncode == 0, out.stderr[-2000:]
   lines = table.read_text().splitlines()
   assert lines[0] == "| optimizer | linen | equinox |" and len(lines) == 2 + 3

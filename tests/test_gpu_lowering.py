@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from tests.util import HANG_S
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -174,7 +176,7 @@ def test_gpu_lowering_script_runs(tmp_path):
   out = tmp_path / "rows.json"
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_lowering.py"), "--preset",
                   "tiny", "--optimizers", "adam,racs,alice,soap", "--json", str(out)],
-                 check=True, timeout=600, capture_output=True, text=True)
+                 check=True, timeout=HANG_S, capture_output=True, text=True)
   rows = json.loads(out.read_text())
   steps = {(r["optimizer"], r["step"]) for r in rows}
   assert {("adam", "program"), ("racs", "ordinary"), ("alice", "refresh"),

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.util import HANG_S
+
 pytest.importorskip("maxtext")
 pytestmark = pytest.mark.example
 
@@ -31,7 +33,7 @@ def test_maxtext_trains_with_named_optimizer(optimizer, extra, tmp_path):
   cmd = [sys.executable, str(ROOT / "examples" / "maxtext" / "train.py"), "--optimizer",
          optimizer, *extra, "--learning-rate", "1e-3", f"run_name={optimizer}",
          f"base_output_directory={tmp_path}", *TINY]
-  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
   log = out.stdout + out.stderr
   assert out.returncode == 0, log[-3000:]
   assert re.search(rf"decoder/layers/mlp/wi_0/kernel\s+64x2x128\s+{optimizer}\s+2 x 64 x 128", log)

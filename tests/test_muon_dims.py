@@ -89,7 +89,7 @@ def test_muon_dimension_numbers_route_maxtext_layouts(name):
       assert row.view == want, (path, row.view)
 
 
-@pytest.mark.parametrize("name", ["muon", "alice"])
+@pytest.mark.parametrize("name", ["muon", pytest.param("alice", marks=pytest.mark.slow)])
 def test_muon_dimension_numbers_update_as_matrix_dims(name):
   """Same state and updates as the routing written with fo.MatrixDims, over 3 steps."""
   params = _params()

@@ -138,9 +138,10 @@ def _check_names(name, opt, mesh, *, layout):
   assert named > 0
 
 
-@pytest.mark.parametrize("name", registry.NAMES)
+@pytest.mark.parametrize("name", registry.params())
 def test_recipe_creates_and_steps_with_state_named_by_its_own_shape(name):
-  """Every named optimizer: created by the recipe on the FSDP x tensor mesh, each state
+  """Each named optimizer (one per family by default, all with ``-m slow``): created by
+  the recipe on the FSDP x tensor mesh, each state
   leaf's names have its own rank, are ``fo.state_partition_specs``'s and lay it out; a
   step keeps the names (the layout after it is XLA's, as for any output of ``jit``
   without ``out_shardings``)."""
@@ -164,7 +165,7 @@ def _bytes(tree, mesh):
   return per_device, predicted, total
 
 
-@pytest.mark.parametrize("mesh_name", ["fsdp4", "fsdp4xtensor2"])
+@pytest.mark.parametrize("mesh_name", ["fsdp4xtensor2", pytest.param("fsdp4", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", registry.params())
 def test_recipe_is_sharded_and_equals_one_device(name, mesh_name):
   """3 steps (refreshes at 1 and 3): the parameters equal one device's; each device holds

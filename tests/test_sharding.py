@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from tests import registry
+from tests.util import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
@@ -254,7 +255,7 @@ def test_two_process_llama_matches_single_process(tmp_path):
   script = str(ROOT / "examples" / "llama" / "train.py")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "single")],
-                 env=env, check=True, capture_output=True, timeout=600)
+                 env=env, check=True, capture_output=True, timeout=HANG_S)
   env4 = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   port = _free_port()
   procs = [subprocess.Popen([sys.executable, script, *common, "--out", str(tmp_path / "multi"),
@@ -262,7 +263,7 @@ def test_two_process_llama_matches_single_process(tmp_path):
                              "--process-id", str(i)], env=env4, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT) for i in range(2)]
   for p in procs:
-    out, _ = p.communicate(timeout=600)
+    out, _ = p.communicate(timeout=HANG_S)
     assert p.returncode == 0, out.decode()[-3000:]
   read = lambda d: list(csv.DictReader((tmp_path / d / "metrics.csv").open()))
   single, multi = read("single"), read("multi")
@@ -330,7 +331,7 @@ def test_refreshes_of_same_shape_matrices_do_not_deadlock_on_two_host_devices():
   go through ``grouping.map_matrices`` (sequential on CPU)."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
   out = subprocess.run([sys.executable, "-c", _REFRESH_ON_TWO_DEVICES], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=HANG_S)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 

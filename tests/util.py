@@ -11,6 +11,11 @@ from fisher_optax import refresh as switching
 from tests import reference
 from tests.registry import LR, STACK
 
+# How long a test waits on a subprocess before calling it hung: a guard against a
+# deadlock (a multi-process run whose peer died, a hung XLA:CPU collective), never a
+# check of speed -- far beyond what any run takes on a slow or loaded machine.
+HANG_S = 1800
+
 
 def structured_grads(shape, steps, seed=0, noise=0.3):
   """Gradients with a stable, well-separated singular spectrum plus noise (numpy, float64).

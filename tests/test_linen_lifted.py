@@ -1,0 +1,113 @@
+"""``fo.linen_dims`` on modules under Flax's lifted transforms (``nn.jit``, ``nn.remat``,
+``nn.scan``, ``nn.vmap``): the same rule on every call, before and after ``init``
+(``nn.jit`` caches its traced body; a second trace with the same shapes would otherwise
+call no submodule)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fisher_optax as fo
+
+D = 32
+
+
+class Attn(nn.Module):
+  """Gemma-like: a query projection, a conv and an output projection."""
+
+  @nn.compact
+  def __call__(self, x):
+    q = nn.DenseGeneral((4, 8))(x)
+    c = nn.Conv(16, (3,))(x)
+    return nn.DenseGeneral(D, axis=(-2, -1))(q) + c.sum(-1, keepdims=True)
+
+
+class Jitted(nn.Module):
+  @nn.jit
+  @nn.compact
+  def __call__(self, x):
+    return Attn()(x)
+
+
+class Remat(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.remat(Attn)()(x)
+
+
+class Layer(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return Attn()(x), None
+
+
+class Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=3)
+    return stack()(x, None)[0]
+
+
+class Vmapped(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    many = nn.vmap(Attn, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=None, axis_size=2)
+    return many()(x).sum(0)
+
+
+def _want(prefix, layers):
+  """The expected rule: ``layers`` leading batch axes from scan/vmap."""
+  k = layers
+  return {f"{prefix}DenseGeneral_0/kernel": fo.MatrixDims(rows=(k,), cols=(k + 1, k + 2)),
+          f"{prefix}DenseGeneral_1/kernel": fo.MatrixDims(rows=(k, k + 1), cols=(k + 2,)),
+          f"{prefix}Conv_0/kernel": fo.MatrixDims(rows=(k, k + 1), cols=k + 2)}
+
+
+@pytest.mark.parametrize("module,prefix,layers", [
+    (Jitted(), "Attn_0/", 0), (Remat(), "CheckpointAttn_0/", 0),
+    (Scanned(), "ScanLayer_0/Attn_0/", 1), (Vmapped(), "VmapAttn_0/", 1)])
+def test_linen_dims_is_the_same_before_and_after_init_and_on_every_call(module, prefix, layers):
+  x = jnp.ones((2, 5, D))
+  first = fo.linen_dims(module, x).table
+  second = fo.linen_dims(module, x).table
+  module.init(jax.random.key(0), x)
+  after = fo.linen_dims(module, x).table
+  assert first == second == after
+  for path, dims in _want(prefix, layers).items():
+    assert first[path] == dims, (path, first)
+
+
+def test_overrides_on_unmatched_and_overrides_that_do_not_fit():
+  """``on_unmatched`` as ``path_mask``'s; an override that does not fit its leaf raises
+  when the rule is built, naming the leaf (an einsum spec of another rank included)."""
+  import warnings
+
+  from flax import nnx
+
+  class Two(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones((4, 2, 8)))
+
+  model = Two()
+  extra = {"^w$": fo.MatrixDims(rows=0, cols=2), "q_einsum": fo.MatrixDims()}
+  with pytest.raises(ValueError, match="'q_einsum' matches no parameter path.*on_unmatched"):
+    fo.flax_dims(model, overrides=extra)
+  with pytest.warns(UserWarning, match="'q_einsum' matches no parameter path"):
+    rule = fo.flax_dims(model, overrides=extra, on_unmatched="warn")
+  assert rule.table["w"] == fo.MatrixDims(rows=0, cols=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert fo.flax_dims(model, overrides=extra, on_unmatched="ignore").table == rule.table
+  with pytest.raises(ValueError, match="on_unmatched"):
+    fo.flax_dims(model, overrides=extra, on_unmatched="skip")
+  with pytest.raises(ValueError, match=r"overrides\['\^w\$'\] for leaf 'w' does not fit it: "
+                                       r"einsum 'BTD,NDH->BTNH'"):
+    fo.flax_dims(model, overrides={"^w$": fo.einsum_dims("BTD,NDH->BTNH", 4)})
+  with pytest.raises(ValueError, match=r"for leaf 'w' of 3 axes.*out of range"):
+    fo.flax_dims(model, overrides={"^w$": fo.MatrixDims(rows=0, cols=3)})
+  with pytest.raises(ValueError, match=r"for leaf 'kernel' of 2 axes"):
+    fo.linen_dims(nn.Dense(4), jnp.ones((1, 3)),
+                  overrides={"kernel": fo.MatrixDims(rows=0, cols=(1, 2))})
