@@ -161,6 +161,9 @@ def _finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, di
   the fallback (default ``optax.adam``) has none unless ``fallback`` brings its own,
   e.g. ``fallback=optax.adamw(lr, weight_decay=...)``.
   """
+  validation.check_learning_rate("learning_rate", learning_rate)
+  if fallback_lr is not None:
+    validation.check_learning_rate("fallback_learning_rate", fallback_lr)
   if weight_decay is not None and not callable(weight_decay):
     validation.check_range("weight_decay", weight_decay, low=0.0, high=float("inf"))
   # ``None`` (not 0) means no decay, as in optax: then a traced weight decay under

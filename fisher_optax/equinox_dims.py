@@ -131,6 +131,12 @@ def equinox_dims(model: Any, *, overrides: Optional[dict] = None,
   Raises:
     ImportError: equinox is not installed.
   """
+  if isinstance(model, dict) or type(model).__name__ == "FrozenDict":
+    raise TypeError(
+        "fo.equinox_dims reads an Equinox model, not a parameter dict: a dict cannot tell "
+        "a layer stack from an attention or conv kernel. For a Flax Linen model use "
+        "fo.linen_dims(module, *example_inputs); for plain arrays (Haiku's params "
+        "included) give fo.MatrixDims(...) per leaf (a tree of them)")
   eqx = _import_equinox()
   table, ndims = {}, {}
   for path, x in jax.tree_util.tree_flatten_with_path(model)[0]:

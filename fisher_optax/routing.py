@@ -170,6 +170,13 @@ def path_mask(*, exclude: Sequence[str] = (), include: Optional[Sequence[str]] =
   """
   if on_unmatched not in ("raise", "warn", "ignore"):
     raise ValueError(f"`on_unmatched` must be 'raise', 'warn' or 'ignore', got {on_unmatched!r}")
+  if isinstance(exclude, str) or isinstance(include, str):
+    raise TypeError("fo.path_mask: `exclude` and `include` take a list of patterns, e.g. "
+                    "exclude=['embed'], not a string")
+  if not exclude and include is None and dims is None:
+    raise ValueError("fo.path_mask() with no patterns selects what the default mask does: "
+                     "give exclude=[...] or include=[...], or pass mask=None to the "
+                     "optimizer for the default")
   for p in list(exclude) + list(include or ()):
     re.compile(p)  # a malformed pattern fails here, not at init
   return PathMask(include=None if include is None else tuple(include), exclude=tuple(exclude),

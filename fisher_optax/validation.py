@@ -65,3 +65,19 @@ def check_range(name: str, value: Any, *, low: float, high: float,
   if not (lo_ok and hi_ok) or math.isnan(v):
     interval = ("(" if low_open else "[") + f"{low}, {high}" + (")" if high_open else "]")
     raise ValueError(f"`{name}` must lie in {interval}, got {value!r}")
+
+
+def check_learning_rate(name: str, value: Any) -> None:
+  """Raises a ``TypeError`` naming ``name`` unless ``value`` is a number (a scalar array
+  included) or a schedule, as optax takes: a string such as ``"1e-2"`` would otherwise
+  pass ``init`` and fail deep inside the first ``update``."""
+  if callable(value) or not _is_concrete(value):
+    return
+  import numpy as np
+  if isinstance(value, (str, bytes, bool)) or value is None or not (
+      isinstance(value, (int, float, np.number)) or
+      (hasattr(value, "dtype") and np.ndim(value) == 0
+       and np.issubdtype(np.asarray(value).dtype, np.number))):
+    hint = " (a string: pass the number, e.g. 1e-2)" if isinstance(value, (str, bytes)) else ""
+    raise TypeError(f"`{name}` must be a number or a schedule (a function of the step "
+                    f"count), got {value!r}{hint}")

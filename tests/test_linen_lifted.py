@@ -111,3 +111,19 @@ def test_overrides_on_unmatched_and_overrides_that_do_not_fit():
   with pytest.raises(ValueError, match=r"for leaf 'kernel' of 2 axes"):
     fo.linen_dims(nn.Dense(4), jnp.ones((1, 3)),
                   overrides={"kernel": fo.MatrixDims(rows=0, cols=(1, 2))})
+
+
+def test_first_call_errors_for_the_usual_mistakes():
+  params = {"w": jnp.ones((4, 4))}
+  with pytest.raises(TypeError, match=r"must be a number or a schedule.*a string"):
+    fo.racs("1e-2")
+  with pytest.raises(TypeError, match="fallback_learning_rate"):
+    fo.alice(1e-2, fallback_learning_rate="3e-4")
+  with pytest.raises(TypeError, match=r"describe\(params, tx\)"):
+    fo.describe(params, fo.racs(1e-2))
+  with pytest.raises(TypeError, match="not a parameter dict"):
+    fo.equinox_dims({"linear": {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}})
+  with pytest.raises(ValueError, match="no patterns"):
+    fo.path_mask()
+  with pytest.raises(TypeError, match="list of patterns"):
+    fo.path_mask(exclude="embed")

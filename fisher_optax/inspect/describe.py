@@ -115,6 +115,12 @@ def describe(tx: Any, params: Any) -> Description:
   accumulators included, e.g. ``optax.MultiSteps``'s gradient sum); ``!`` compares the
   named optimizer's own state with Adam's.
   """
+  if not hasattr(tx, "init") and hasattr(params, "init") and hasattr(params, "update"):
+    raise TypeError("fo.describe(tx, params): the optimizer comes first; called as "
+                    "describe(params, tx)?")
+  if not hasattr(tx, "init"):
+    raise TypeError(f"fo.describe(tx, params): `tx` must be an optax transformation, got "
+                    f"{type(tx).__name__}")
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   paths = [matrices.path_to_str(p) for p, _ in flat]
   with routing.record_routed_inits() as found:
