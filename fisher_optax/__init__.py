@@ -31,7 +31,8 @@ from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
 from fisher_optax.refresh import (SubspaceRefresh, SvdRefresh, Switch, subspace_refresh,
                                   svd_refresh, switch)
-from fisher_optax.routing import PathMask, default_mask, in_float32, path_mask
+from fisher_optax.routing import (FallbackWarning, PathMask, default_mask, in_float32,
+                                  path_mask)
 from fisher_optax.stacking import convert_state_layout
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
     "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByRowMomentsState",
     "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
-    "DimsRule", "EquinoxDims", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
+    "DimsRule", "EquinoxDims", "FallbackWarning", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
     "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
     "paper_state_numbers", "state_bytes", "state_numbers", "state_partition_specs",
     "state_shardings", "with_auto_axes", "convert_state_layout",

@@ -25,7 +25,9 @@ parameter                                    matrix (rows x cols)               
 output ``(heads, head_dim, out)``)           ``heads*head_dim x out``            dimension
                                                                                  numbers
 ``Einsum`` kernel (any module with an        from the spec: contracted axes x    Gemma
-``einsum_str``), e.g. ``"BTD,NDH->BTNH"``    output axes (``fo.einsum_dims``)
+``einsum_str``, or a Linen module called     output axes (``fo.einsum_dims``)
+with its equation, as ``gemma``'s),
+e.g. ``"BTD,NDH->BTNH"``
 ``Conv``/``ConvTranspose`` kernel            ``kh*kw*cin x cout``                Shampoo
 ``(kh, kw, cin, cout)``                                                          for conv
 ``Embed`` embedding                          ``vocab x features``                (route
@@ -202,7 +204,8 @@ def _declared_general(shape: tuple, features: tuple, names: Optional[tuple]):
   return matrices.MatrixDims(rows=rows, cols=cols)
 
 
-def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tuple] = None):
+def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tuple] = None,
+                  equations: frozenset = frozenset()):
   """A parameter of a module no rule knows: an einsum spec it carries; a kernel of the
   input and output features the module declares (a DenseGeneral of another library,
   layer axes anywhere); the axes left once those its logical names call layers or
@@ -210,6 +213,13 @@ def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tu
   spec = getattr(module, "einsum_str", None) if module is not None else None
   if isinstance(spec, str) and ndim >= 2:
     return _einsum(spec, ndim)
+  if equations and ndim >= 2:  # equations the module was called with
+    views = {_einsum(e, ndim) for e in equations}
+    if len(views) == 1:
+      return views.pop()
+    return matrices.Unclassified(
+        f"{type(module).__name__} was called with einsum equations {sorted(equations)} that "
+        "read its weight in different ways; give its dims with overrides=")
   if routing.is_vector_name(path) or ndim < 2:
     return matrices.NOT_A_MATRIX
   features = _declared_features(module) if module is not None else None
@@ -241,13 +251,25 @@ def _import_flax(part: str):
   return mod
 
 
-def _owner(owners: dict, key: str):
+def _owner_key(owners: dict, key: str) -> Optional[str]:
+  """The path of the innermost module in ``owners`` that holds parameter ``key``."""
   parts = key.split("/")
   for c in range(len(parts) - 1, -1, -1):
-    m = owners.get("/".join(parts[:c]))
-    if m is not None:
-      return m
+    if owners.get("/".join(parts[:c])) is not None:
+      return "/".join(parts[:c])
   return None
+
+
+def _owner(owners: dict, key: str):
+  k = _owner_key(owners, key)
+  return None if k is None else owners[k]
+
+
+def _equations(args, kwargs) -> set:
+  """The einsum equations among a call's arguments (the official ``gemma`` package's
+  ``Einsum`` takes its equation at call time: ``self.q_einsum('BTD,NDH->BTNH', x)``)."""
+  return {a for a in list(args) + list(kwargs.values())
+          if isinstance(a, str) and "->" in a and "," in a.split("->", 1)[0]}
 
 
 def _not_nnx(model: Any) -> Optional[str]:
@@ -353,9 +375,12 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
                     + ("; for an NNX model use fo.flax_dims(model)"
                        if type(module).__module__.startswith("flax.nnx") else ""))
   owners: dict = {}
+  equations: dict = {}
 
   def record(fn, args, kwargs, context):
-    owners.setdefault("/".join(context.module.path), context.module)
+    key = "/".join(context.module.path)
+    owners.setdefault(key, context.module)
+    equations.setdefault(key, set()).update(_equations(args, kwargs))
     return fn(*args, **kwargs)
 
   init = lambda: module.init(jax.random.key(0), *example_inputs, method=method,  # noqa: E731
@@ -374,10 +399,12 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
       x = x.value
       path = path + (jax.tree_util.GetAttrKey("value"),)  # the box's own path to its array
     key = matrices.path_to_str(path)
-    owner = _owner(owners, key)
+    owner_key = _owner_key(owners, key)
+    owner = None if owner_key is None else owners[owner_key]
     shape = tuple(x.shape)
     ndims[key] = len(shape)
     d = _layer_dims(nn, owner, key.split("/")[-1], len(shape)) if owner is not None else None
-    table[key] = d if d is not None else _other_module(owner, path, len(shape), shape, names)
+    table[key] = d if d is not None else _other_module(
+        owner, path, len(shape), shape, names, frozenset(equations.get(owner_key, ())))
   return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims", ndims,
                                            on_unmatched))

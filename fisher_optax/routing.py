@@ -30,6 +30,14 @@ from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, U
 VECTOR_NAMES = ("bias", "scale", "gamma", "beta", "offset")
 
 
+class FallbackWarning(UserWarning):
+  """Warned by ``init`` when weight kernels reach the fallback without being sent there:
+  leaves with more than two axes and no ``dims`` to read them, or leaves a model rule
+  could not classify. Make it an error in CI with
+  ``warnings.simplefilter("error", fo.FallbackWarning)`` or pytest's
+  ``-W error::fisher_optax.FallbackWarning``."""
+
+
 # ----------------------------------------------------------------------------- masks
 
 
@@ -336,7 +344,7 @@ def _warn_unrouted(params: Any, name: str, stacklevel: int = 3) -> None:
         "with dims=fo.flax_dims(model) (NNX), fo.linen_dims(module, x) (Linen), "
         "fo.equinox_dims(model) (Equinox) or fo.MatrixDims(...); or pass mask= to keep "
         "them on the fallback on purpose, with fallback_learning_rate= at Adam's own rate.",
-        UserWarning, stacklevel=stacklevel)
+        FallbackWarning, stacklevel=stacklevel)
 
 
 def _warn_unclassified(params: Any, dims: DimsSpec, labels: Any, name: str,
@@ -359,7 +367,7 @@ def _warn_unclassified(params: Any, dims: DimsSpec, labels: Any, name: str,
         f"fo.{name}: {len(found)} {'leaf' if len(found) == 1 else 'leaves'} the dims rule "
         f"could not classify go to the fallback: {listed}{more}. Give their dims with the "
         "rule's overrides={path regex: fo.MatrixDims(rows=..., cols=...)}, or send them to "
-        "the fallback on purpose with fo.NOT_A_MATRIX there.", UserWarning, stacklevel=stacklevel)
+        "the fallback on purpose with fo.NOT_A_MATRIX there.", FallbackWarning, stacklevel=stacklevel)
 
 
 _GROUP_KEY = re.compile(r" \d+x\d+$")

@@ -127,3 +127,43 @@ def test_first_call_errors_for_the_usual_mistakes():
     fo.path_mask()
   with pytest.raises(TypeError, match="list of patterns"):
     fo.path_mask(exclude="embed")
+
+
+# ------------------------------------------ einsum equations given at call time (gemma)
+
+
+class Einsum(nn.Module):
+  """The official ``gemma`` package's ``Einsum`` call convention: the equation is an
+  argument of the call, not an attribute (``self.q_einsum('BTD,NDH->BTNH', x)``)."""
+  shape: tuple
+
+  @nn.compact
+  def __call__(self, eqn, x):
+    w = self.param("w", nn.initializers.normal(), self.shape)
+    return jnp.einsum(eqn, x, w)
+
+
+N, K, H, F = 4, 2, 8, 64
+
+
+class GemmaBlock(nn.Module):
+  @nn.jit  # gemma's Transformer.__call__ is jitted too
+  @nn.compact
+  def __call__(self, x):
+    q = Einsum((N, D, H), name="q_einsum")("BTD,NDH->BTNH", x)
+    k, _ = Einsum((2, K, D, H), name="kv_einsum")("BSD,CKDH->CBSKH", x)
+    y = Einsum((N, H, D), name="attn_vec_einsum")("BTNH,NHD->BTD",
+                                                  q + jnp.repeat(k, N // K, axis=2))
+    gate = Einsum((2, F, D), name="gating_einsum")("...F,NHF->...NH", y)
+    return Einsum((F, D), name="linear")("...H,HF->...F", gate[..., 0, :] * gate[..., 1, :])
+
+
+def test_linen_dims_reads_einsum_equations_passed_at_call_time():
+  module, x = GemmaBlock(), jnp.ones((2, 5, D))
+  for _ in range(2):  # the same on a second call (nn.jit)
+    table = fo.linen_dims(module, x).table
+    assert table["q_einsum/w"] == fo.MatrixDims(rows=(1,), cols=(0, 2))
+    assert table["kv_einsum/w"] == fo.MatrixDims(rows=(2,), cols=(1, 3))  # C: a stack
+    assert table["attn_vec_einsum/w"] == fo.MatrixDims(rows=(0, 1), cols=(2,))
+    assert table["gating_einsum/w"] == fo.MatrixDims(rows=(2,), cols=(0, 1))
+    assert table["linear/w"] == fo.MatrixDims(rows=(0,), cols=(1,))

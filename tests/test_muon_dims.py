@@ -213,10 +213,18 @@ def test_unclassified_kernels_warn_at_init_with_the_fix():
 
   model = Odd()
   params = nnx.state(model, nnx.Param)
-  with pytest.warns(UserWarning, match=r"1 leaf the dims rule could not classify.*'w': "
+  with pytest.warns(fo.FallbackWarning, match=r"1 leaf the dims rule could not classify.*'w': "
                                        r"3-D parameter of Odd.*overrides="):
     fo.racs(1e-2, dims=fo.flax_dims(model)).init(params)
   import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     fo.racs(1e-2, dims=fo.flax_dims(model, overrides={"^w$": fo.MatrixDims()})).init(params)
+
+
+def test_fallback_warning_can_be_made_an_error():
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fo.FallbackWarning)
+    with pytest.raises(fo.FallbackWarning, match="more than two dims"):
+      fo.racs(1e-2).init({"w": jnp.ones((2, 4, 4))})
