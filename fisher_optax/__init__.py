@@ -23,6 +23,7 @@ from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthL
                                  scale_by_two_sided, whiten)
 from fisher_optax.equinox_dims import EquinoxDims, equinox_dims
 from fisher_optax.flax_dims import FlaxDims, flax_dims, linen_dims
+from fisher_optax.haiku_dims import HaikuDims, haiku_dims
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
 from fisher_optax.matrices import (NOT_A_MATRIX, DimsRule, MatrixDims, ModelDims, Unclassified,
@@ -53,8 +54,8 @@ __all__ = [
     "ScaleByMomentsState", "ScaleByMomentumState", "ScaleByRowMomentsState",
     "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
-    "DimsRule", "EquinoxDims", "FallbackWarning", "FlaxDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
-    "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
+    "DimsRule", "EquinoxDims", "FallbackWarning", "FlaxDims", "HaikuDims", "MatrixDims", "ModelDims", "NOT_A_MATRIX",
+    "PathMask", "Unclassified", "default_mask", "einsum_dims", "equinox_dims", "flax_dims", "haiku_dims", "linen_dims", "in_float32", "path_mask", "Description", "describe",
     "paper_state_numbers", "state_bytes", "state_numbers", "state_partition_specs",
     "state_shardings", "with_auto_axes", "convert_state_layout",
 ]

@@ -342,7 +342,8 @@ def _warn_unrouted(params: Any, name: str, stacklevel: int = 3) -> None:
         f"{shape}) go to the fallback, since no dims= says which of their axes form the "
         "matrix (a layer stack, an attention and a conv kernel look alike). Route them "
         "with dims=fo.flax_dims(model) (NNX), fo.linen_dims(module, x) (Linen), "
-        "fo.equinox_dims(model) (Equinox) or fo.MatrixDims(...); or pass mask= to keep "
+        "fo.equinox_dims(model) (Equinox), fo.haiku_dims(params) (Haiku) or "
+        "fo.MatrixDims(...); or pass mask= to keep "
         "them on the fallback on purpose, with fallback_learning_rate= at Adam's own rate.",
         FallbackWarning, stacklevel=stacklevel)
 
