@@ -1,0 +1,384 @@
+"""What each device sends per optimizer update under a sharded layout, read from the
+compiled program.
+
+    python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
+                                     [--optimizers adam,racs,alice,...] [--json FILE]
+
+The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
+the state's from ``fo.state_shardings``) is compiled on abstract shapes of a LLaMA
+preset for ``--devices`` CPU devices (``XLA_FLAGS`` is set here, before JAX starts), and
+its HLO after SPMD partitioning (``compiled.as_text()``) is read:
+
+* every collective -- ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all``,
+  ``collective-permute`` (and their ``-start`` forms) -- with its result shape and its
+  replica-group size ``g``;
+* bytes each device sends, with ring algorithms: all-gather ``out (g-1)/g``,
+  reduce-scatter ``out (g-1)``, all-reduce ``2 x bytes (g-1)/g``, all-to-all
+  ``bytes (g-1)/g``, collective-permute ``bytes``;
+* loops (``while``) multiply their body by XLA's known trip count; a ``conditional``
+  counts its cheapest branch on an **ordinary** step and its dearest on a **refresh**
+  step (the refreshes are the conditionals' expensive branches);
+* the update's temporary memory per device (``memory_analysis``).
+
+Each figure is reported against the model's parameter bytes, beside the yardstick: the
+LLaMA example's gradient computation under the same layout (``train step``: FSDP's own
+parameter gathers and gradient reductions). Layouts: ``fsdp`` (every
+matrix sharded on its larger axis over all devices), ``fsdp_tp`` (Megatron tensor
+parallelism over 2 devices -- q/k/v/gate/up column-parallel, o/down row-parallel, the
+embedding and output layer over the vocabulary -- and FSDP over the rest on the other
+axis) and ``dp`` (replicated parameters: nothing to send). The optimizers are the LLaMA
+example's (``benchmarks/step_time.py``): ``adam`` is ``optax.adam``, ``muon``
+``optax.contrib.muon``, ``fo_muon`` the library's Muon; the library's run in the
+per-leaf layout, their state sharded as ``fo.state_shardings`` gives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# ----------------------------------------------------------------------------- parser
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([a-z][a-z\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d(?:fn)?)?)\[([\d,]*)\]")
+
+
+def shape_bytes(text: str) -> int:
+  """Bytes of an HLO shape (a tuple sums its elements): ``f32[4,8]{1,0}`` -> 128."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    if dtype not in DTYPE_BYTES:
+      continue
+    total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def group_size(attrs: str, num_devices: int) -> int:
+  """Size of a collective's replica groups, in any of XLA's three spellings:
+  ``{{0,1,2,3},{4,5,6,7}}``, ``[2,4]<=[8]`` (groups x size) and
+  ``mesh['a'=2,'b'=4] {'b'}`` (the product of the named axes); empty: every device."""
+  m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
+  if m:
+    return len([x for x in m.group(1).split(",") if x.strip()])
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+  if m:
+    return int(m.group(2))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+  return num_devices
+
+
+def sent_bytes(kind: str, result_bytes: int, g: int) -> float:
+  """Bytes one device sends for one collective (ring algorithms)."""
+  if g <= 1:
+    return 0.0
+  if kind == "all-gather":
+    return result_bytes * (g - 1) / g
+  if kind == "reduce-scatter":
+    return result_bytes * (g - 1)
+  if kind == "all-reduce":
+    return 2 * result_bytes * (g - 1) / g
+  if kind == "all-to-all":
+    return result_bytes * (g - 1) / g
+  return float(result_bytes)  # collective-permute
+
+
+@dataclasses.dataclass
+class Traffic:
+  """Bytes sent and collectives issued, per kind."""
+  sent: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+  count: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+
+  @property
+  def total(self) -> float:
+    return sum(self.sent.values())
+
+  @property
+  def collectives(self) -> int:
+    return sum(self.count.values())
+
+  def add(self, other: "Traffic", times: float = 1) -> None:
+    for k in KINDS:
+      self.sent[k] += other.sent[k] * times
+      self.count[k] += int(other.count[k] * times)
+
+
+@dataclasses.dataclass
+class _Comp:
+  own: Traffic
+  calls: list  # (computation, times)
+  whiles: list  # (body, condition, trip count)
+  conds: list   # [branch computations]
+
+
+def _parse(text: str, num_devices: int) -> tuple[dict, str]:
+  comps, entry, cur = {}, None, None
+  for line in text.splitlines():
+    m = _COMP.match(line)
+    if m and not line.startswith(" "):
+      cur = _Comp(Traffic(), [], [], [])
+      comps[m.group(1)] = cur
+      if line.startswith("ENTRY"):
+        entry = m.group(1)
+      continue
+    if cur is None:
+      continue
+    op = _OP.match(line)
+    if not op:
+      continue
+    shape, kind, rest = op.groups()
+    base = kind[:-len("-start")] if kind.endswith("-start") else kind
+    if base in KINDS and not kind.endswith("-done"):
+      result = shape
+      if kind.endswith("-start") and shape.startswith("("):
+        # (operand(s), result) of an async start: the result is the last element
+        parts = _ARRAY.findall(shape)
+        result = "{}[{}]".format(*parts[-1]) if parts else shape
+      g = group_size(rest, num_devices)
+      cur.own.sent[base] += sent_bytes(base, shape_bytes(result), g)
+      cur.own.count[base] += 1 if g > 1 else 0
+    if kind == "while":
+      body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+      cond = re.search(r"condition=%?([\w.\-]+)", rest).group(1)
+      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+      cur.whiles.append((body, cond, int(trip.group(1)) if trip else None))
+    elif kind == "conditional":
+      m = re.search(r"branch_computations=\{([^}]*)\}", rest)
+      if m:
+        branches = [b.strip().lstrip("%") for b in m.group(1).split(",")]
+      else:
+        branches = [re.search(rf"{w}_computation=%?([\w.\-]+)", rest).group(1)
+                    for w in ("true", "false")]
+      cur.conds.append(branches)
+    else:
+      for ref in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", rest):
+        cur.calls.append((ref, 1))
+  return comps, entry
+
+
+def traffic(text: str, num_devices: int, *, refresh: bool) -> tuple[Traffic, list]:
+  """The program's traffic per device on an ordinary step (``refresh=False``: each
+  conditional's cheapest branch) or a refresh step (its dearest); also the loops whose
+  trip count XLA could not tell (counted once)."""
+  comps, entry = _parse(text, num_devices)
+  unknown: list = []
+  memo: dict = {}
+
+  def total(name: str) -> Traffic:
+    if name in memo:
+      return memo[name]
+    c = comps.get(name)
+    out = Traffic()
+    if c is None:
+      return out
+    out.add(c.own)
+    for ref, times in c.calls:
+      out.add(total(ref), times)
+    for body, cond, trip in c.whiles:
+      if trip is None:
+        unknown.append(body)
+      out.add(total(body), trip or 1)
+      out.add(total(cond), (trip or 1) + 1)
+    for branches in c.conds:
+      options = [total(b) for b in branches]
+      out.add((max if refresh else min)(options, key=lambda t: t.total))
+    memo[name] = out
+    return out
+
+  return total(entry), unknown
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def layout_specs(params, layout: str, devices: int):
+  """``PartitionSpec`` per leaf of the LLaMA parameters for ``layout`` on the mesh
+  :func:`make_mesh` builds."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  fsdp = devices if layout == "fsdp" else devices // 2
+
+  def spec(path, x):
+    key = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    shape = x.shape
+    if layout == "dp" or len(shape) < 2:
+      return P()
+    if layout == "fsdp":
+      big = max(range(len(shape)), key=lambda a: shape[a])
+      entries = [None] * len(shape)
+      if shape[big] % fsdp == 0:
+        entries[big] = "fsdp"
+      return P(*entries)
+    # fsdp_tp: Megatron column/row parallel on "tensor", FSDP on the other axis
+    if any(n in key for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")):
+      return P("fsdp", "tensor")      # (in, out): columns split
+    if any(n in key for n in ("o_proj", "down_proj")):
+      return P("tensor", "fsdp")      # rows split
+    if "embed" in key:
+      return P("tensor", "fsdp")      # (vocab, hidden)
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def make_mesh(layout: str, devices: int):
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+  devs = np.array(jax.devices()[:devices])
+  if layout == "fsdp_tp":
+    return Mesh(devs.reshape(devices // 2, 2), ("fsdp", "tensor"))
+  return Mesh(devs, ("fsdp",))
+
+
+def build(name: str, preset: str):
+  """The LLaMA example's optimizer ``name`` for ``preset`` (``muon`` is
+  ``optax.contrib.muon``, ``fo_muon`` the library's), the library's in the per-leaf
+  layout (``stack_matrices=False``)."""
+  from benchmarks import step_time
+  kw = dict(stack_matrices=False) if step_time._ours(name) else {}
+  return step_time.build(name, preset, 1e-3, **kw)
+
+
+def measure(name: str, preset: str, layout: str, devices: int) -> dict:
+  """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
+  collectives, temporary memory, each also as a ratio to the parameter bytes."""
+  import jax
+  from jax.sharding import NamedSharding
+  import fisher_optax as fo
+  from benchmarks import step_time
+
+  params, _ = step_time.abstract_params(preset)
+  mesh = make_mesh(layout, devices)
+  specs = layout_specs(params, layout, devices)
+  tx = build(name, preset)
+  p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
+  state = jax.eval_shape(tx.init, params)
+  with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+  compiled = step.lower(with_sh(params, p_sh), with_sh(state, s_sh),
+                        with_sh(params, p_sh)).compile()
+  text = compiled.as_text()
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  ordinary, unknown = traffic(text, devices, refresh=False)
+  refresh, _ = traffic(text, devices, refresh=True)
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
+              param_bytes=param_bytes,
+              ordinary_bytes=ordinary.total, refresh_bytes=refresh.total,
+              ordinary_ratio=ordinary.total / param_bytes,
+              refresh_ratio=refresh.total / param_bytes,
+              ordinary_collectives=ordinary.collectives,
+              refresh_collectives=refresh.collectives,
+              by_kind_refresh={k: v / param_bytes for k, v in refresh.sent.items() if v},
+              temp_bytes=temp, temp_ratio=temp / param_bytes,
+              loops_without_trip_count=len(unknown))
+
+
+def measure_train_step(preset: str, layout: str, devices: int) -> dict:
+  """The yardstick: the LLaMA example's gradient computation under the same layout, a
+  batch of one sequence per device split over the ``fsdp`` axis (replicated over
+  ``tensor``, as Megatron's activations): FSDP's own traffic, parameters gathered for the
+  forward and backward passes and gradients reduced, plus tensor parallelism's."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from benchmarks import step_time
+  from examples.llama import presets
+  from examples.llama.model import Llama
+
+  cfg = presets.model_config(preset)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+  params, _ = step_time.abstract_params(preset)
+  mesh = make_mesh(layout, devices)
+  specs = layout_specs(params, layout, devices)
+  p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  batch = NamedSharding(mesh, P("fsdp"))  # data parallel over fsdp; replicated over tensor
+
+  def loss(p, tokens):
+    state = nnx.State(abstract)
+    state.replace_by_pure_dict(p)
+    logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  tokens = jax.ShapeDtypeStruct((devices, cfg.context + 1), jnp.int32, sharding=batch)
+  with_sh = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         params, p_sh)
+  compiled = jax.jit(jax.grad(loss), out_shardings=p_sh).lower(with_sh, tokens).compile()
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  t, _ = traffic(compiled.as_text(), devices, refresh=False)
+  return dict(optimizer="train step (yardstick)", preset=preset, layout=layout,
+              devices=devices, param_bytes=param_bytes, ordinary_bytes=t.total,
+              refresh_bytes=t.total, ordinary_ratio=t.total / param_bytes,
+              refresh_ratio=t.total / param_bytes, ordinary_collectives=t.collectives,
+              refresh_collectives=t.collectives,
+              temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+              temp_ratio=compiled.memory_analysis().temp_size_in_bytes / param_bytes)
+
+
+DEFAULT = ("adam", "racs", "galore", "alice", "soap", "eigen_adam", "shampoo", "fo_muon",
+           "normuon", "muon")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="tiny")
+  ap.add_argument("--devices", type=int, default=8)
+  ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "dp"))
+  ap.add_argument("--optimizers", default=",".join(DEFAULT))
+  ap.add_argument("--json", default=None, help="write the rows to this file")
+  ap.add_argument("--no-train-step", action="store_true",
+                  help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
+  args = ap.parse_args(argv)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={args.devices}").strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, str(ROOT))
+  rows = []
+  print(f"{args.preset}, {args.layout}, {args.devices} devices: bytes sent per device per "
+        "update / parameter bytes")
+  print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7}")
+  names = args.optimizers.split(",")
+  if args.layout != "dp" and not args.no_train_step:
+    names = ["train_step"] + names
+  for name in names:
+    r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
+         else measure(name, args.preset, args.layout, args.devices))
+    name = "train step" if name == "train_step" else name
+    rows.append(r)
+    print(f"{name:<12} {r['ordinary_ratio']:>8.3f}x {r['refresh_ratio']:>8.3f}x "
+          f"{r['ordinary_collectives']:>5} / {r['refresh_collectives']:<5} "
+          f"{r['temp_ratio']:>6.2f}x" + ("  *" if r.get("loops_without_trip_count") else ""),
+          flush=True)
+  if any(r.get("loops_without_trip_count") for r in rows):
+    print("* a loop with a run-time trip count, counted once: the figure is a lower bound")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,102 @@
+"""benchmarks/collectives.py: its HLO reader on programs with known collectives."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from benchmarks import collectives as C
+
+# A program with every construct the reader follows: a collective in the entry, one in a
+# loop of 5 trips, one in each branch of a conditional, the three replica-group
+# spellings, an async all-reduce.
+HLO = """\
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%body (p: (s32[], f32[8,32])) -> (s32[], f32[8,32]) {
+  %ag = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %t = (s32[], f32[8,32]) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8,32])) -> pred[] {
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %n), direction=LT
+}
+
+%cheap (p: (f32[16])) -> (f32[16]) {
+  %ar = f32[16]{0} all-reduce(f32[16]{0} %a), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %t = (f32[16]) tuple(%ar)
+}
+
+%dear (p: (f32[16])) -> (f32[16]) {
+  %a2a = f32[1024]{0} all-to-all(f32[1024]{0} %b), replica_groups=mesh['a'=2,'b'=4] {'a','b'}, dimensions={0}
+  %rs = f32[16]{0} reduce-scatter(f32[128]{0} %c), replica_groups=mesh['a'=2,'b'=4] {'b'}, dimensions={0}, to_apply=%add
+  ROOT %t = (f32[16]) tuple(%rs)
+}
+
+ENTRY %main (a: f32[8,32]) -> f32[16] {
+  %ars = f32[256]{0} all-reduce-start(f32[256]{0} %a), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %ard = f32[256]{0} all-reduce-done(f32[256]{0} %ars)
+  %cp = bf16[100]{0} collective-permute(bf16[100]{0} %z), source_target_pairs={{0,1},{1,0}}
+  %w = (s32[], f32[8,32]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %c = (f32[16]) conditional(pred[] %p, %x, %x), branch_computations={%cheap, %dear}
+}
+"""
+
+
+def test_reader_on_a_program_with_known_collectives():
+  entry = 2 * 1024 * 7 / 8 + 200                 # async all-reduce (g=8), permute
+  loop = 5 * 64 * 32 * 4 * 7 / 8                  # all-gather, g=8, 5 trips
+  cheap = 2 * 64 * 3 / 4                           # all-reduce of 64 bytes, g=4
+  dear = 4096 * 7 / 8 + 64 * 3                     # all-to-all g=8; reduce-scatter g=4
+  ordinary, unknown = C.traffic(HLO, 8, refresh=False)
+  refresh, _ = C.traffic(HLO, 8, refresh=True)
+  assert unknown == []
+  assert ordinary.total == pytest.approx(entry + loop + cheap)
+  assert refresh.total == pytest.approx(entry + loop + dear)
+  assert refresh.count == {"all-gather": 5, "reduce-scatter": 1, "all-reduce": 1,
+                           "all-to-all": 1, "collective-permute": 1}
+  assert ordinary.count["all-reduce"] == 2 and ordinary.count["all-to-all"] == 0
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+def test_reader_on_a_compiled_all_gather_and_all_reduce():
+  """A sharded array gathered to every device: ``(g - 1) / g`` of its bytes sent by each;
+  a sum over the sharded axis: one all-reduce of the result."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+  gather = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P()))
+  got, _ = C.traffic(gather.lower(x).compile().as_text(), 8, refresh=False)
+  assert got.total == pytest.approx(64 * 32 * 4 * 7 / 8)
+  assert got.count["all-gather"] == 1
+  reduce = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))
+  got, _ = C.traffic(reduce.lower(x).compile().as_text(), 8, refresh=False)
+  assert got.count["all-reduce"] == 1 and got.total == pytest.approx(2 * 32 * 4 * 7 / 8)
+
+
+@pytest.mark.example
+def test_collectives_script_runs_on_tiny(tmp_path):
+  """The script on 4 devices: Adam's update sends nothing, GaLore's refresh more than its
+  ordinary step, the yardstick (FSDP's gradient step) first."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  from tests.util import HANG_S
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = tmp_path / "rows.json"
+  subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
+                  "tiny", "--devices", "4", "--optimizers", "adam,galore", "--json",
+                  str(out)], capture_output=True, text=True, timeout=HANG_S, check=True)
+  rows = {r["optimizer"]: r for r in json.loads(out.read_text())}
+  assert list(rows) == ["train step (yardstick)", "adam", "galore"]
+  assert rows["adam"]["ordinary_bytes"] == rows["adam"]["refresh_bytes"] == 0
+  assert rows["galore"]["refresh_bytes"] > rows["galore"]["ordinary_bytes"] > 0
+  assert rows["train step (yardstick)"]["ordinary_ratio"] > 1  # parameters gathered
+  assert all(r["devices"] == 4 for r in rows.values())
+  # GaLore's subspace iterations run a run-time number of times: counted once, and said
+  assert rows["adam"]["loops_without_trip_count"] == 0
+  assert rows["galore"]["loops_without_trip_count"] >= 1
