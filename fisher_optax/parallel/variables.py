@@ -1,4 +1,5 @@
-"""Flax NNX ``Variable`` leaves given to ``init``: a state that carries its own sharding names.
+"""Flax ``nnx.Variable`` (and Linen ``nn.Partitioned``) leaves given to ``init``: a state
+that carries its own sharding names.
 
 ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` calls ``tx.init(nnx.state(model, wrt))``: the
 leaves are ``nnx.Variable`` s, each with its parameter's metadata (``out_sharding``
@@ -8,7 +9,9 @@ metadata, whatever the new leaf's shape, and Flax shards a ``Variable`` by its n
 when it is created (eager sharding) and in ``nnx.get_partition_spec``. A state leaf of
 another shape than its parameter -- a ``(m,)`` scaling vector, a ``(m, r)`` basis, an
 ``r x r`` statistic, a ``(k, m, n)`` stack -- would carry the kernel's names and fail
-there (a spec longer than the leaf, an axis that does not divide).
+there (a spec longer than the leaf, an axis that does not divide). Linen's
+``nn.Partitioned`` boxes (``nn.with_partitioning``, ``nn.with_logical_partitioning``)
+behave the same under tree maps and ``nn.get_partition_spec``.
 
 The named optimizers therefore build their state from the plain arrays and give each
 state leaf that belongs to a parameter a ``Variable`` of that parameter's type and
@@ -28,32 +31,52 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 
-def variable_type() -> Optional[type]:
-  """``flax.nnx.Variable`` when Flax is imported (a tree can only hold Variables then),
-  else ``None``: fisher_optax does not import Flax itself."""
+def box_types() -> tuple:
+  """The metadata boxes a parameter tree can hold once Flax is imported: NNX's
+  ``nnx.Variable`` and Linen's ``nn.Partitioned`` (``nn.with_partitioning``,
+  ``nn.with_logical_partitioning``); empty otherwise (fisher_optax does not import Flax
+  itself)."""
   if "flax" not in sys.modules:
-    return None
+    return ()
+  out = []
   try:
     from flax import nnx
+    out.append(nnx.Variable)
   except ImportError:  # pragma: no cover - an old Flax without NNX
-    return None
-  return nnx.Variable
+    pass
+  try:
+    from flax.core import meta
+    out.append(meta.Partitioned)
+  except ImportError:  # pragma: no cover
+    pass
+  return tuple(out)
+
+
+def _is_variable(x) -> bool:
+  return hasattr(x, "get_metadata") and hasattr(x, "get_value")
 
 
 def has_variables(tree: Any) -> bool:
-  """Whether any leaf of ``tree`` is an ``nnx.Variable``."""
-  var = variable_type()
-  if var is None:
+  """Whether any leaf of ``tree`` is an ``nnx.Variable`` or a Linen ``nn.Partitioned``."""
+  boxes = box_types()
+  if not boxes:
     return False
-  return any(isinstance(x, var)
-             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, var)))
+  return any(isinstance(x, boxes)
+             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, boxes)))
+
+
+def _value(box: Any) -> Any:
+  return box.get_value() if _is_variable(box) else box.value
 
 
 def unwrap(tree: Any) -> Any:
-  """``tree`` with every ``Variable`` replaced by its value (as ``nnx.as_pure``)."""
-  var = variable_type()
-  return jax.tree.map(lambda x: x.get_value() if isinstance(x, var) else x, tree,
-                      is_leaf=lambda x: isinstance(x, var))
+  """``tree`` with every box replaced by its value (as ``nnx.as_pure`` / ``nn.unbox``,
+  without the sharding constraint ``unbox`` applies)."""
+  boxes = box_types()
+  if not boxes:
+    return tree
+  return jax.tree.map(lambda x: _value(x) if isinstance(x, boxes) else x, tree,
+                      is_leaf=lambda x: isinstance(x, boxes))
 
 
 # Flax's older keys for ``out_sharding`` (``nnx.scan`` still sets ``sharding_names``); a
@@ -61,57 +84,67 @@ def unwrap(tree: Any) -> Any:
 _ALIASES = ("sharding_names", "sharding")
 
 
-def names(v: Any) -> Optional[tuple]:
-  """A ``Variable``'s sharding names (``out_sharding`` metadata), or ``None``."""
-  got = v.get_metadata("out_sharding", None)
+def names(box: Any) -> Optional[tuple]:
+  """A box's sharding names (a Variable's ``out_sharding``, a Partitioned's ``names``),
+  or ``None``."""
+  got = box.get_metadata("out_sharding", None) if _is_variable(box) else box.names
   return tuple(got) if got else None
 
 
-def _context_mesh(variables: list):
-  for v in variables:
-    mesh = v.get_metadata("mesh", None)
+def _context_mesh(boxes: list):
+  for b in boxes:
+    mesh = b.get_metadata("mesh", None) if _is_variable(b) else getattr(b, "mesh", None)
     if mesh is not None:
       return mesh
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh.empty else mesh
 
 
+def _named(box: Any, leaf: Any, spec: P) -> Any:
+  """A box like ``box`` (its type and metadata) around ``leaf``, named by ``spec``."""
+  ndim = len(jax.numpy.shape(leaf))
+  full = tuple(spec) + (None,) * (ndim - len(spec))
+  if not _is_variable(box):
+    return box.replace(value=leaf, names=full)
+  meta = box.get_metadata()
+  if names(box) is not None:
+    meta["out_sharding"] = full
+    for alias in _ALIASES:  # older names of out_sharding, which Flax would copy over it
+      meta.pop(alias, None)
+  # as optax's tree maps make a Variable: its metadata, no sharding hook run on creation
+  return type(box).from_metadata(leaf, meta)
+
+
 def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
-  """``state`` (``tx.init(pure)``, ``pure`` the values of the ``Variable`` tree ``params``)
-  with each leaf that belongs to a parameter wrapped in a ``Variable`` of that
-  parameter's type and metadata, its ``out_sharding`` the names of its own shape."""
+  """``state`` (``tx.init(pure)``, ``pure`` the values of the boxed tree ``params``)
+  with each leaf that belongs to a parameter in a box of that parameter's type and
+  metadata, named for its own shape."""
   from fisher_optax.parallel import sharding  # sharding imports routing, which calls here
 
-  var = variable_type()
-  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, var))
-  specs = jax.tree.map(lambda x: P(*names(x)) if isinstance(x, var) and names(x) else None,
-                       params, is_leaf=lambda x: isinstance(x, var))
+  boxes = box_types()
+  is_box = lambda x: isinstance(x, boxes)  # noqa: E731
+  leaves = jax.tree.leaves(params, is_leaf=is_box)
+  specs = jax.tree.map(lambda x: P(*names(x)) if is_box(x) and names(x) else None,
+                       params, is_leaf=is_box)
   owned = sharding.owned_specs(tx, state, pure, specs, dims=dims,
-                               mesh=_context_mesh([x for x in leaves if isinstance(x, var)]))
+                               mesh=_context_mesh([x for x in leaves if is_box(x)]))
+
   def wrap(leaf, owned_leaf):
-    owner, spec = owned_leaf.owner, owned_leaf.spec
-    if owner is None or not isinstance(leaves[owner], var):
+    owner = owned_leaf.owner
+    if owner is None or not is_box(leaves[owner]):
       return leaf
-    v = leaves[owner]
-    meta = v.get_metadata()
-    if names(v) is not None:
-      ndim = len(jax.numpy.shape(leaf))
-      meta["out_sharding"] = tuple(spec) + (None,) * (ndim - len(spec))
-      for alias in _ALIASES:  # older names of out_sharding, which Flax would copy over it
-        meta.pop(alias, None)
-    # as optax's tree maps make a Variable: its metadata, no sharding hook run on creation
-    return type(v).from_metadata(leaf, meta)
+    return _named(leaves[owner], leaf, owned_leaf.spec)
 
   return jax.tree.map(wrap, state, owned)
 
 
 def rewrap_like(template: Any, pure: Any) -> Any:
   """``pure`` (the values of ``template``'s structure) with each leaf whose place holds a
-  ``Variable`` in ``template`` wrapped like it (its type and metadata)."""
-  var = variable_type()
-  is_var = lambda x: isinstance(x, var)  # noqa: E731
-  slots, treedef = jax.tree.flatten(template, is_leaf=is_var)
+  box in ``template`` boxed like it (its type and metadata)."""
+  boxes = box_types()
+  is_box = lambda x: isinstance(x, boxes)  # noqa: E731
+  slots, treedef = jax.tree.flatten(template, is_leaf=is_box)
   values = treedef.flatten_up_to(pure)
-  return treedef.unflatten(
-      [type(t).from_metadata(v, t.get_metadata()) if is_var(t) else v
-       for t, v in zip(slots, values)])
+  like = lambda t, v: (type(t).from_metadata(v, t.get_metadata()) if _is_variable(t)  # noqa: E731
+                       else t.replace(value=v))
+  return treedef.unflatten([like(t, v) if is_box(t) else v for t, v in zip(slots, values)])
