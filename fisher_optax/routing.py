@@ -300,8 +300,8 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
     return init_arrays(params, 4)
 
   def init_arrays(params, stacklevel):
-    if mask is None and dims is None:
-      _warn_unrouted(params, (info or {}).get("name", "structured"), stacklevel)
+    if dims is None and (mask is None or (isinstance(mask, PathMask) and mask.dims is None)):
+      _warn_unrouted(params, (info or {}).get("name", "structured"), stacklevel, mask)
     _warn_unclassified(params, dims, labels(params), (info or {}).get("name", "structured"),
                        stacklevel)
     state = tx.init(params)
@@ -325,15 +325,24 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   return out
 
 
-def _warn_unrouted(params: Any, name: str, stacklevel: int = 3) -> None:
+def _warn_unrouted(params: Any, name: str, stacklevel: int = 3,
+                   mask: Optional["PathMask"] = None) -> None:
   """Warns when the default routing sends weight kernels to the fallback: leaves with more
   than two dims (not a bias's or norm scale's name) and no ``dims`` to say which axes are
-  the matrix. They then train with the fallback's Adam at the fallback's learning rate,
-  by default the structured rule's, which is scaled for a unit-RMS direction and can be
-  far above Adam's usable range."""
+  the matrix, unless a ``fo.path_mask`` excluded them by name. They then train with the
+  fallback's Adam at the fallback's learning rate, by default the structured rule's,
+  which is scaled for a unit-RMS direction and can be far above Adam's usable range."""
+  def excluded(path: str) -> bool:  # sent to the fallback on purpose, by a pattern
+    if mask is None:
+      return False
+    if mask.include is not None and not any(re.search(p, path) for p in mask.include):
+      return True
+    return any(re.search(p, path) for p in mask.exclude)
+
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   kernels = [(path_to_str(p), tuple(jnp.shape(x))) for p, x in flat
-             if len(jnp.shape(x)) > 2 and not is_vector_name(p)]
+             if len(jnp.shape(x)) > 2 and not is_vector_name(p)
+             and not excluded(path_to_str(p))]
   if kernels:
     path, shape = kernels[0]
     warnings.warn(

@@ -229,3 +229,19 @@ def test_fallback_warning_can_be_made_an_error():
     warnings.simplefilter("error", fo.FallbackWarning)
     with pytest.raises(fo.FallbackWarning, match="more than two dims"):
       fo.racs(1e-2).init({"w": jnp.ones((2, 4, 4))})
+
+
+def test_a_path_mask_without_dims_still_warns_for_kernels_it_did_not_exclude():
+  """The README's ``mask=fo.path_mask(exclude=[...])`` with no ``dims``: a 3-D kernel the
+  patterns did not name goes to the fallback because nothing says which axes are its
+  matrix, and ``init`` says so; one the patterns exclude goes there on purpose."""
+  import warnings
+  params = {"embed": jnp.ones((10, 4)), "attn": {"q": jnp.ones((4, 2, 8))},
+            "w": jnp.ones((4, 4))}
+  with pytest.warns(fo.FallbackWarning, match=r"1 leaf with more than two dims.*'attn/q'"):
+    fo.racs(1e-2, mask=fo.path_mask(exclude=["embed"])).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fo.FallbackWarning)
+    fo.racs(1e-2, mask=fo.path_mask(exclude=["embed", "attn"])).init(params)
+    fo.racs(1e-2, mask=fo.path_mask(include=["^w$"])).init(params)
+    fo.racs(1e-2, mask={"embed": False, "attn": {"q": False}, "w": True}).init(params)
