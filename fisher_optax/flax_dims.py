@@ -260,9 +260,34 @@ def _owner_key(owners: dict, key: str) -> Optional[str]:
   return None
 
 
-def _owner(owners: dict, key: str):
-  k = _owner_key(owners, key)
-  return None if k is None else owners[k]
+def _leaves(tree: Any):
+  """``(path, shape, logical names)`` of every parameter of ``tree``, read through Flax's
+  boxes (``nnx.Variable``'s ``out_sharding``, ``nn.Partitioned``'s ``names``)."""
+  from fisher_optax.parallel import variables
+  boxes = variables.box_types()
+  is_box = lambda x: bool(boxes) and isinstance(x, boxes)  # noqa: E731
+  for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+    names = variables.names(x) if is_box(x) else None
+    yield path, tuple(getattr(variables.value(x) if is_box(x) else x, "shape", ())), names
+
+
+def _rule(lib, owners: dict, tree: Any, helper: str, overrides: Optional[dict],
+          on_unmatched: str, equations: Optional[dict] = None) -> FlaxDims:
+  """The rule table of ``tree``'s parameters: each read by the module of ``owners``
+  (``{module path: module}``) that holds it (:func:`_layer_dims`, else
+  :func:`_other_module` with its logical names and the einsum equations the module was
+  called with), then ``overrides``."""
+  table, ndims = {}, {}
+  for path, shape, names in _leaves(tree):
+    key = matrices.path_to_str(path)
+    owner_key = _owner_key(owners, key)
+    module = None if owner_key is None else owners[owner_key]
+    ndims[key] = len(shape)
+    d = _layer_dims(lib, module, key.split("/")[-1], len(shape)) if module is not None else None
+    table[key] = d if d is not None else _other_module(
+        module, path, len(shape), shape, names,
+        frozenset((equations or {}).get(owner_key, ())))
+  return FlaxDims(matrices.apply_overrides(table, overrides, helper, ndims, on_unmatched))
 
 
 def _equations(args, kwargs) -> set:
@@ -327,21 +352,8 @@ def flax_dims(model: Any, *, overrides: Optional[dict] = None,
     raise TypeError(_not_nnx(model))
   owners = {matrices.path_to_str(path): module for path, module in nnx.iter_graph(model)
             if isinstance(module, nnx.Module)}
-  table, ndims = {}, {}
-  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-  for path, v in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param),
-                                                      is_leaf=is_var)[0]:
-    key = matrices.path_to_str(path)
-    module = _owner(owners, key)
-    x = v.get_value() if is_var(v) else v
-    names = v.get_metadata("out_sharding", None) if is_var(v) else None
-    shape = tuple(getattr(x, "shape", ()))
-    ndims[key] = len(shape)
-    d = _layer_dims(nnx, module, key.split("/")[-1], len(shape)) if module is not None else None
-    table[key] = d if d is not None else _other_module(
-        module, path, len(shape), shape, tuple(names) if names else None)
-  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.flax_dims", ndims,
-                                           on_unmatched))
+  return _rule(nnx, owners, nnx.state(model, nnx.Param), "fo.flax_dims", overrides,
+               on_unmatched)
 
 
 def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = None,
@@ -390,21 +402,5 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
   # would not call the submodules and the interceptor would see none of them
   with nn.intercept_methods(record), jax.disable_jit():
     variables = jax.eval_shape(init)
-  params = variables.get("params", {})
-  table, ndims = {}, {}
-  boxed = lambda x: isinstance(x, nn.Partitioned)  # noqa: E731  (nn.with_logical_partitioning)
-  for path, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=boxed)[0]:
-    names = tuple(x.names) if boxed(x) else None
-    if boxed(x):
-      x = x.value
-      path = path + (jax.tree_util.GetAttrKey("value"),)  # the box's own path to its array
-    key = matrices.path_to_str(path)
-    owner_key = _owner_key(owners, key)
-    owner = None if owner_key is None else owners[owner_key]
-    shape = tuple(x.shape)
-    ndims[key] = len(shape)
-    d = _layer_dims(nn, owner, key.split("/")[-1], len(shape)) if owner is not None else None
-    table[key] = d if d is not None else _other_module(
-        owner, path, len(shape), shape, names, frozenset(equations.get(owner_key, ())))
-  return FlaxDims(matrices.apply_overrides(table, overrides, "fo.linen_dims", ndims,
-                                           on_unmatched))
+  return _rule(nn, owners, variables.get("params", {}), "fo.linen_dims", overrides,
+               on_unmatched, equations)

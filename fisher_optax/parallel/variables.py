@@ -65,7 +65,8 @@ def has_variables(tree: Any) -> bool:
              for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, boxes)))
 
 
-def _value(box: Any) -> Any:
+def value(box: Any) -> Any:
+  """A box's array (a Variable's value, a Partitioned's ``value``)."""
   return box.get_value() if _is_variable(box) else box.value
 
 
@@ -75,7 +76,7 @@ def unwrap(tree: Any) -> Any:
   boxes = box_types()
   if not boxes:
     return tree
-  return jax.tree.map(lambda x: _value(x) if isinstance(x, boxes) else x, tree,
+  return jax.tree.map(lambda x: value(x) if isinstance(x, boxes) else x, tree,
                       is_leaf=lambda x: isinstance(x, boxes))
 
 
