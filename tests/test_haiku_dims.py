@@ -96,3 +96,26 @@ def test_haiku_dims_unknown_kernel_warns_and_bad_input_is_named():
   assert routed.table["mixer/w"] == fo.MatrixDims(rows=(0, 1), cols=2)
   with pytest.raises(TypeError, match="Haiku's parameter dict"):
     fo.haiku_dims(jnp.ones((3, 4)))
+
+
+@pytest.mark.parametrize("kind", ["zero", "tiny", "huge", "nan"])
+def test_haiku_odd_shapes_and_bad_gradients(kind):
+  """Degenerate Haiku leaves -- a scalar ``w``, a ``(1, n)`` linear, an empty conv, a
+  bfloat16 kernel -- route without error, and zero / tiny / huge / NaN gradients give
+  updates of the leaves' shapes and dtypes (finite where the gradient is)."""
+  params = {"linear": {"w": jnp.ones((1, 8)), "b": jnp.zeros((8,))},
+            "odd": {"w": jnp.ones(())},
+            "conv2_d": {"w": jnp.ones((3, 3, 0, 4))},
+            "linear_1": {"w": jnp.ones((8, 6), jnp.bfloat16)}}
+  rule = fo.haiku_dims(params)
+  assert rule.table["odd/w"] == fo.NOT_A_MATRIX
+  assert rule.table["conv2_d/w"] == fo.MatrixDims(rows=(0, 1, 2), cols=3)
+  fill = {"zero": 0.0, "tiny": 1e-30, "huge": 1e30, "nan": float("nan")}[kind]
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, fill, p.dtype), params)
+  for tx in (fo.racs(1e-2, dims=rule), fo.alice(1e-2, rank=2, dims=rule)):
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+      assert u.shape == p.shape and u.dtype == p.dtype
+      if kind != "nan":
+        assert bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
