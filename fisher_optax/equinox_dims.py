@@ -32,13 +32,13 @@ from typing import Any, Optional
 
 import jax
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, model_dims, routing
 
 # rows = fan-in (last axis), cols = fan-out: the (out, in) layout
 OUT_IN = matrices.MatrixDims(rows=-1, cols=-2)
 
 
-class EquinoxDims(matrices.ModelDims):
+class EquinoxDims(model_dims.ModelDims):
   """The ``dims=`` rule of one Equinox model (built by :func:`equinox_dims`).
 
   Attributes:
@@ -145,5 +145,5 @@ def equinox_dims(model: Any, *, overrides: Optional[dict] = None,
     module, name = _owner(model, path, eqx.Module)
     table[matrices.path_to_str(path)] = _leaf_dims(eqx, module, name, path, len(x.shape))
     ndims[matrices.path_to_str(path)] = len(x.shape)
-  return EquinoxDims(matrices.apply_overrides(table, overrides, "fo.equinox_dims", ndims,
+  return EquinoxDims(model_dims.apply_overrides(table, overrides, "fo.equinox_dims", ndims,
                                               on_unmatched))

@@ -60,10 +60,10 @@ from typing import Any, Optional
 
 import jax
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, model_dims, routing
 
 
-class FlaxDims(matrices.ModelDims):
+class FlaxDims(model_dims.ModelDims):
   """The ``dims=`` rule of one Flax model (built by :func:`flax_dims` for NNX and
   :func:`linen_dims` for Linen).
 
@@ -107,10 +107,10 @@ def _einsum(spec: str, ndim: int):
   operands = spec.replace(" ", "").split("->")[0].split(",")
   declared = len(operands[1]) if len(operands) == 2 else ndim
   k = ndim - declared
-  d = matrices.einsum_dims(spec, ndim if k < 0 else declared)
+  d = model_dims.einsum_dims(spec, ndim if k < 0 else declared)
   if isinstance(d, matrices.NotAMatrix) or k <= 0:
     return d
-  shift = lambda axes: tuple(a + k for a in matrices._as_axes(axes))  # noqa: E731
+  shift = lambda axes: tuple(a + k for a in matrices.as_axes(axes))  # noqa: E731
   return matrices.MatrixDims(rows=shift(d.rows), cols=shift(d.cols))
 
 
@@ -287,7 +287,7 @@ def _rule(lib, owners: dict, tree: Any, helper: str, overrides: Optional[dict],
     table[key] = d if d is not None else _other_module(
         module, path, len(shape), shape, names,
         frozenset((equations or {}).get(owner_key, ())))
-  return FlaxDims(matrices.apply_overrides(table, overrides, helper, ndims, on_unmatched))
+  return FlaxDims(model_dims.apply_overrides(table, overrides, helper, ndims, on_unmatched))
 
 
 def _equations(args, kwargs) -> set:

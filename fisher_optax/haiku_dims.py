@@ -35,10 +35,10 @@ from typing import Any, Optional
 
 import jax
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, model_dims, routing
 
 
-class HaikuDims(matrices.ModelDims):
+class HaikuDims(model_dims.ModelDims):
   """The ``dims=`` rule of one Haiku parameter dict (built by :func:`haiku_dims`).
 
   Attributes:
@@ -130,5 +130,5 @@ def haiku_dims(params: Any, *, overrides: Optional[dict] = None,
     shape = tuple(getattr(x, "shape", ()))
     table[key] = _leaf(module, name, shape, path)
     ndims[key] = len(shape)
-  return HaikuDims(matrices.apply_overrides(table, overrides, "fo.haiku_dims", ndims,
+  return HaikuDims(model_dims.apply_overrides(table, overrides, "fo.haiku_dims", ndims,
                                             on_unmatched))

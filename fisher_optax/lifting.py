@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from fisher_optax.grouping import shared, vmap_batch
-from fisher_optax.matrices import DimsSpec, MatrixView, matrix_view, resolve_dims
+from fisher_optax.matrices import DimsSpec, MatrixView, matrix_view
+from fisher_optax.model_dims import resolve_dims
 
 
 def cast_like(x: jax.Array, dtype) -> jax.Array:

@@ -182,7 +182,13 @@ def power_orthonormal(y: jax.Array, u: jax.Array) -> jax.Array:
   Cholesky QR orthonormalized in 0.75 ms), so accelerators run :func:`cholesky_qr`. The
   two agree to float32 rounding (tests).
   """
-  x = shifted_step(y, u)
+  return positive_qr(shifted_step(y, u))
+
+
+def positive_qr(x: jax.Array) -> jax.Array:
+  """``Q`` of the thin QR ``X = Q R`` with ``R``'s diagonal positive, for a ``X`` of full
+  column rank whose condition number is at most about 1e6: Householder QR re-signed on
+  XLA:CPU, :func:`cholesky_qr` elsewhere (:func:`power_orthonormal`'s note)."""
 
   def householder(x):
     q, r = jnp.linalg.qr(x, mode="reduced")
@@ -190,6 +196,29 @@ def power_orthonormal(y: jax.Array, u: jax.Array) -> jax.Array:
     return q * jnp.where(d == 0, 1.0, d)[..., None, :]
 
   return jax.lax.platform_dependent(x, cpu=householder, default=cholesky_qr)
+
+
+def orthonormal_columns(y: jax.Array) -> jax.Array:
+  """An orthonormal ``n x r`` basis of the columns of any ``y`` (``n >= r``), in
+  Gram--Schmidt order: the positive-diagonal thin QR factor of ``Y + delta E`` with
+  ``E`` the first ``r`` columns of the identity and ``delta = 1e-6 ||Y||_F`` (``E``
+  itself where ``Y = 0`` or is not finite).
+
+  For a rank-deficient ``Y`` (a momentum of rank below ``r``), ``Y + delta E`` has full
+  rank with a condition number of about ``1e6`` at most, so :func:`positive_qr` stays
+  finite on every backend, and the columns beyond ``Y``'s rank are completed from
+  ``E``. For ``Y`` of full column rank it is ``Y``'s own QR factor moved by about
+  ``1e-6`` times ``Y``'s condition number: callers use :func:`positive_qr` of ``Y``
+  itself where that is orthonormal (:func:`is_orthonormal`) and this where it is not.
+  ``Y`` is scaled to a unit largest entry first (the factor does not depend on the
+  scale)."""
+  y = y.astype(f32)
+  top = jnp.max(jnp.abs(y))
+  ok = (top > 0) & jnp.isfinite(top)
+  y = y / jnp.where(ok, top, 1.0)
+  e = jnp.eye(y.shape[-2], y.shape[-1], dtype=f32)
+  norm = jnp.sqrt(jnp.sum(jnp.square(y)))
+  return positive_qr(jnp.where(ok, y + 1e-6 * norm * e, e))
 
 
 def complement_columns(u: jax.Array, cols: jax.Array) -> jax.Array:
@@ -257,6 +286,15 @@ def _sign_lu(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     return a, jnp.where(at_k, sk, s)
 
   return jax.lax.fori_loop(0, r, step, (a.astype(f32), jnp.zeros((r,), f32)))
+
+
+def is_orthonormal(p: jax.Array, tol: float = 1e-3) -> jax.Array:
+  """Whether ``p`` (``n x r``) is finite with ``|P^T P - I| < tol`` entrywise: a QR factor
+  that float32 resolved (a rank-deficient operand gives non-finite or collapsed columns
+  in :func:`cholesky_qr`)."""
+  gram = matmul(jnp.swapaxes(p, -1, -2), p)
+  err = jnp.max(jnp.abs(gram - jnp.eye(p.shape[-1], dtype=gram.dtype)))
+  return jnp.isfinite(err) & (err < tol)
 
 
 def ema(decay, old: jax.Array, new: jax.Array) -> jax.Array:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import grouping, linalg, rng, validation
+from fisher_optax import linalg, rng, validation
 
 
 def refresh_noise(key: jax.Array, count: jax.Array, num_matrices: int,

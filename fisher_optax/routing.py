@@ -22,8 +22,9 @@ import optax
 
 from fisher_optax.lifting import cast_like
 from fisher_optax.parallel import variables
-from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, Unclassified, as_dims, check_prefix,
-                                   is_matrix_shape, normalize_axes, path_to_str, resolve_dims)
+from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, Unclassified,
+                                   check_prefix, is_matrix_shape, normalize_axes, path_to_str)
+from fisher_optax.model_dims import as_dims, resolve_dims
 
 # Last path keys of parameters that are vectors, or stacks of vectors, whatever their
 # shape: norm scales and biases (Flax, Haiku, Equinox names).

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import grouping, lifting, matrices, routing
+from fisher_optax import lifting, matrices, model_dims, routing
 
 
 class StackMatricesState(NamedTuple):
@@ -67,7 +67,7 @@ def plan(tree: Any, dims: matrices.DimsSpec) -> StackPlan:
   """Groups the leaves of ``tree`` (arrays or shape structs; ``optax.MaskedNode``s are
   not leaves) by :func:`group_name` of their path and matrix view under ``dims``."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  dims_leaves = treedef.flatten_up_to(matrices.resolve_dims(dims, tree))
+  dims_leaves = treedef.flatten_up_to(model_dims.resolve_dims(dims, tree))
   views = [matrices.matrix_view(jnp.shape(x), d, what="stack_matrices")
            for (_, x), d in zip(flat, dims_leaves)]
   groups: dict = {}

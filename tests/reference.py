@@ -12,6 +12,8 @@ largest-magnitude entry positive; tall matrices use the transpose.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -537,3 +539,47 @@ class ApolloRef:
     eta, self.phi = limiter(np.linalg.norm(scaled), self.phi, k["gamma"])
     step = k["lr"] * np.sqrt(1 - k["b2"] ** self.t) / (1 - k["b1"] ** self.t)
     return -step * np.sqrt(k["scale"]) * eta * scaled
+
+
+class DionRef:
+  """Dion (arXiv:2504.05295, Alg. 1) as the authors' single-device reference
+  (``microsoft/dion``, ``dion/dion_reference.py``: ``Dion._init_opt_state_dion``,
+  ``dion_update``, ``power_iteration`` with one iteration, ``orthogonalize`` with
+  ``qr_method="qr"``, ``fix_all_zero_or_nan``), transcribed in float64 numpy.
+
+  The reference holds ``X`` as PyTorch does, ``(d_out, d_in)``; ``step`` takes and
+  returns the library's layout, a Flax kernel ``(d_in, d_out)`` (``X`` transposed).
+  ``q0``: the initial ``Q`` (the reference's ``torch.randn``), on the smaller side as
+  the reference keeps it."""
+
+  def __init__(self, d_in, d_out, *, lr, rank, q0, mu=0.95, eps=1e-8, weight_decay=0.0):
+    m, n = d_out, d_in                      # X.shape
+    self.transpose = m < n                  # the reference's is_transposed
+    if isinstance(rank, float):             # rank_fraction, rank_multiple_of = 1
+      r = min(math.ceil(rank * min(m, n)), m, n)
+    else:
+      r = min(rank, m, n)
+    self.Q = np.array(q0, np.float64)
+    assert self.Q.shape == ((m, r) if self.transpose else (n, r)), (self.Q.shape, m, n, r)
+    self.M = np.zeros((m, n))
+    self.kw = dict(lr=lr, mu=mu, eps=eps, weight_decay=weight_decay)
+
+  def step(self, g, x=None):
+    k = self.kw
+    G = np.asarray(g, np.float64).T         # library layout -> (d_out, d_in)
+    self.M = self.M + G
+    B = self.M.T if self.transpose else self.M
+    P = B @ self.Q
+    P, _ = np.linalg.qr(P)                  # orthogonalize(qr_method="qr")
+    R = B.T @ P
+    if np.all(B == 0):                      # fix_all_zero_or_nan
+      P, R = np.zeros_like(P), self.Q
+    self.M = self.M - (1 - k["mu"]) * (R @ P.T if self.transpose else P @ R.T)
+    self.Q = R / (np.linalg.norm(R, axis=0, keepdims=True) + k["eps"])
+    fan_out, fan_in = self.M.shape
+    scaled_lr = np.sqrt(fan_out / fan_in) * k["lr"]
+    upd = self.Q @ P.T if self.transpose else P @ self.Q.T
+    out = -scaled_lr * upd
+    if x is not None:                       # X <- X (1 - lr wd) first
+      out = out - k["lr"] * k["weight_decay"] * np.asarray(x, np.float64).T
+    return out.T

@@ -75,6 +75,9 @@ CASES = {
     "fira": Case(dict(rank=3, interval=2), "projection",
                  reference=dict(rank=3, interval=3),
                  train=dict(learning_rate=0.02, rank=8, interval=10, scale=1.0)),
+    # Dion draws its initial Q at random (per matrix index: other draws when stacked)
+    "dion": Case(dict(rank=3), "power tracking", draws=True,
+                 train=dict(learning_rate=0.02, rank=0.5)),
     "apollo": Case(dict(rank=3, interval=2), "random projection", draws=True,
                    train=dict(learning_rate=0.02, rank=8, interval=10)),
     "apollo_mini": Case(dict(interval=2), "random projection", draws=True,

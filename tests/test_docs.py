@@ -8,6 +8,8 @@ import re
 import pytest
 
 import fisher_optax as fo
+import importlib
+
 from fisher_optax import alias as optimizers
 from tests.registry import NAMES
 
@@ -26,7 +28,9 @@ def test_every_argument_is_documented(name):
 def test_examples_run():
   finder = doctest.DocTestFinder()
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-  tests = [t for t in finder.find(optimizers) if t.examples]
+  tests = [t for family in optimizers.FAMILIES
+           for t in finder.find(importlib.import_module(f"fisher_optax.alias.{family}"))
+           if t.examples]
   assert {t.name.rsplit(".", 1)[-1] for t in tests} >= set(NAMES)
   for t in tests:
     runner.run(t)

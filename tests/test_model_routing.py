@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import fisher_optax as fo
-from fisher_optax import matrices
+from fisher_optax import matrices, model_dims
 
 nnx = pytest.importorskip("flax.nnx")
 nn = pytest.importorskip("flax.linen")
@@ -40,14 +40,14 @@ def views(tx, params) -> dict:
     ("BTD,D->BT", 1, fo.NOT_A_MATRIX),                                    # a vector
 ])
 def test_einsum_dims_reads_the_spec(spec, ndim, want):
-  assert matrices.einsum_dims(spec, ndim) == want
+  assert model_dims.einsum_dims(spec, ndim) == want
 
 
 @pytest.mark.parametrize("spec,ndim,why", [
     ("BTD,...DH->BTH", 2, "ellipsis"), ("BTD,NDH->BTNH", 4, "do not match"),
     ("BTD,NDHZ->BTNH", 4, "summed within"), ("BTD->BT", 2, "two operands")])
 def test_einsum_dims_says_why_it_cannot_read_a_spec(spec, ndim, why):
-  d = matrices.einsum_dims(spec, ndim)
+  d = model_dims.einsum_dims(spec, ndim)
   assert isinstance(d, fo.Unclassified) and why in d.reason
 
 

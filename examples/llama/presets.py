@@ -35,7 +35,7 @@ LOW_RANK = {"tiny": (32, 10, 100), "small": (64, 20, 200), "60M": (128, 40, 200)
 # The paper trains the output layer with Adam for RACS, APOLLO and Adam (its "Ppl*"),
 # and with the structured optimizer for Alice, GaLore and Fira ("Ppl").
 LM_HEAD_ON_ADAM = {"adam", "adamw", "muon", "fo_muon", "swan", "racs", "apollo", "apollo_mini",
-                   "normuon", "racs_muon", "muon_racs"}
+                   "normuon", "racs_muon", "muon_racs", "dion", "dion16"}
 
 # Largest side the rotation methods (eigen_adam, soap, shampoo) rotate here. Their reference
 # default (10000) never rotates the vocabulary side of the 32k-50k vocabularies SOAP was
@@ -48,7 +48,7 @@ MAX_PRECOND_DIM = 4096
 OPTIMIZERS = ("adam", "adamw", "muon", "fo_muon", "swan", "racs", "alice", "alice0",
               "alice_soap", "galore",
               "fira", "apollo", "apollo_mini", "eigen_adam", "soap", "shampoo", "per_layer",
-              "normuon", "racs_muon", "muon_racs")
+              "normuon", "racs_muon", "muon_racs", "dion", "dion16")
 
 # Structured whitening: RACS's two-sided scaling composed with Muon's whitening, before it
 # (``racs_muon``: equilibrate the momentum, then whiten) or after it (``muon_racs``:
@@ -88,7 +88,7 @@ def default_lr(preset: str, name: str) -> float:
   return {"adam": 7e-4 if big else 1e-3, "adamw": 7e-4 if big else 1e-3,
           "muon": 7e-4 if big else 1e-3, "fo_muon": 7e-4 if big else 1e-3,
           "swan": 7e-4 if big else 1e-3, "racs": 0.02,
-          "normuon": 2e-3, "racs_muon": 2e-3, "muon_racs": 2e-3,
+          "normuon": 2e-3, "racs_muon": 2e-3, "muon_racs": 2e-3, "dion": 0.01, "dion16": 0.01,
           "alice": 0.02, "alice0": 0.02, "alice_soap": 0.02, "galore": 0.01 if big else 0.02,
           "fira": 0.01 if big else 0.02, "apollo": 0.01, "apollo_mini": 0.01,
           "eigen_adam": 3e-3, "soap": 3e-3, "shampoo": 0.03, "per_layer": 1.0}[name]
@@ -162,6 +162,8 @@ def make_optimizer(name: str, preset: str, learning_rate, *, lm_head_on_adam: bo
                          info=dict(name=name))
   elif name == "normuon":
     kw = {}
+  elif name in ("dion", "dion16"):  # rank 1/4 or 1/16 of each matrix's smaller side
+    name, kw = "dion", dict(rank=0.25 if name == "dion" else 1 / 16)
   elif name in ("fo_muon", "swan"):  # Muon by composition, SWAN: AdamW-RMS updates
     name = "muon" if name == "fo_muon" else name
     kw = dict(consistent_rms=0.2)

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree_utils as otu
 
-from fisher_optax import grouping, lifting, linalg, matrices, validation
+from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -92,121 +92,19 @@ def _active(view: matrices.MatrixView, sides: str, max_dim: Optional[int]) -> tu
   return left and ok(view.m), right and ok(view.n)
 
 
-# ------------------------------------------------------------------ per matrix, per side
-
-
-class SideRefresh(NamedTuple):
-  """A refreshed side of one matrix: the new basis and its eigenvalues, the order of the
-  old basis vectors (power-QR's sort; ``arange`` for eigh), ``new^T old`` (to re-express
-  inner state) and whether the decomposition was finite (else the old basis is kept)."""
-  basis: jax.Array
-  eigenvalues: jax.Array
-  order: jax.Array
-  change: jax.Array
-  ok: jax.Array
-
-
-def stats_update(stat: Optional[jax.Array], g: jax.Array, side: str,
-                 b3: Optional[float]) -> Optional[jax.Array]:
-  """``L <- b3 L + (1 - b3) G G^T`` (left) or with ``G^T G`` (right); sums if ``b3`` is None."""
-  if stat is None:
-    return None
-  outer = linalg.matmul(g, g.T) if side == "left" else linalg.matmul(g.T, g)
-  return stat + outer if b3 is None else linalg.ema(b3, stat, outer)
-
-
-def power_qr(stat: jax.Array, basis: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """SOAP's refresh: sort the old basis by ``diag(U^T L U)``, one power iteration
-  ``QR(L U)`` (:func:`fisher_optax.linalg.power_orthonormal`: the positive-diagonal QR of
-  ``(L + delta I) U``, batched on accelerators). Returns the new basis, the sort order and
-  ``L`` times the new basis.
-
-  Products: ``L U`` once serves the estimates (``diag(U^T L U)`` is the column sums of
-  ``U * (L U)``) and the iteration (``L U[:, idx] = (L U)[:, idx]``); the caller reads the
-  new eigenvalue estimates ``diag(Q^T L Q)`` from ``L Q`` the same way: two ``d^3``
-  products where four were."""
-  lu = linalg.matmul(stat, basis)
-  est = jnp.sum(basis * lu, axis=0)
-  idx = jnp.argsort(-est)
-  q = linalg.power_orthonormal(lu[:, idx], basis[:, idx])
-  return q, idx, linalg.matmul(stat, q)
-
-
-def side_refresh(stat: jax.Array, basis: jax.Array, use_eigh: bool) -> SideRefresh:
-  """One side of one matrix: ``eigh`` (descending) or :func:`power_qr`. A non-finite
-  decomposition keeps the previous basis (and, by the caller, its eigenvalues)."""
-  d = stat.shape[-1]
-  if use_eigh:
-    w, new = linalg.eigh_desc(stat)
-    idx = jnp.arange(d)
-  else:
-    new, idx, lq = power_qr(stat, basis)
-    w = jnp.sum(new * lq, axis=0)
-  ok = jnp.all(jnp.isfinite(new))
-  new = jnp.where(ok, new, basis)
-  idx = jnp.where(ok, idx, jnp.arange(d))
-  return SideRefresh(new, w, idx, linalg.matmul(new.T, basis), ok)
-
-
-def rotate_in(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
-  """``U_L^T X U_R`` (a missing side is the identity)."""
-  if bl is not None:
-    x = linalg.matmul(bl.T, x)
-  if br is not None:
-    x = linalg.matmul(x, br)
-  return x
-
-
-def rotate_out(x: jax.Array, bl: Optional[jax.Array], br: Optional[jax.Array]) -> jax.Array:
-  """``U_L X U_R^T`` (a missing side is the identity)."""
-  if bl is not None:
-    x = linalg.matmul(bl, x)
-  if br is not None:
-    x = linalg.matmul(x, br.T)
-  return x
-
-
-def eig_floor(w: jax.Array, stats_eps: float) -> jax.Array:
-  """``max(stats_eps, d * eps_f32 * max(w))``: float32 eigh cannot resolve eigenvalues
-  below ~``d eps ||L||``; flooring them there makes the powers well defined (the same on
-  the whole unresolved subspace, whatever basis eigh picked for it)."""
-  rel = w.shape[-1] * jnp.finfo(jnp.float32).eps * jnp.max(w)
-  return jnp.maximum(w, jnp.maximum(jnp.maximum(jnp.asarray(stats_eps, jnp.float32), rel),
-                                    jnp.finfo(jnp.float32).tiny))
-
-
-def eig_scale(x: jax.Array, el: Optional[jax.Array], er: Optional[jax.Array],
-              power: Optional[float], stats_eps: float) -> jax.Array:
-  """Shampoo: ``X * (lam_L,i lam_R,j)^power`` with floored eigenvalues."""
-  if power is None:
-    return x
-  if el is not None:
-    x = x * eig_floor(el, stats_eps)[:, None] ** power
-  if er is not None:
-    x = x * eig_floor(er, stats_eps)[None, :] ** power
-  return x
-
-
-def _permute(x: jax.Array, i1: Optional[jax.Array], i2: Optional[jax.Array]) -> jax.Array:
-  if i1 is not None:
-    x = x[i1, :]
-  if i2 is not None:
-    x = x[:, i2]
-  return x
-
-
 # ---------------------------------------------------------------- whole tree, refresh
 
 
 def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
   """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
-  :class:`SideRefresh` (``None`` for disabled sides). Statistics of equal size ``d``
-  (across leaves, stack entries and sides) are concatenated so that one decomposition
-  call (:func:`fisher_optax.grouping.map_grouped`) serves them."""
+  :class:`~fisher_optax.eigenbasis.SideRefresh` (``None`` for disabled sides).
+  Statistics of equal size ``d`` (across leaves, stack entries and sides) are
+  concatenated so that one decomposition call (:func:`fisher_optax.grouping.map_grouped`)
+  serves them."""
   members = [(i, side) for i in range(len(stats["l"])) for side in ("l", "r")
              if stats[side][i] is not None]
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
-  outs = grouping.map_grouped(lambda st, b: side_refresh(st, b, use_eigh),
+  outs = grouping.map_grouped(lambda st, b: eigenbasis.side_refresh(st, b, use_eigh),
                             [(flat(stats[side][i]), flat(bases[side][i]))
                              for i, side in members])
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
@@ -357,8 +255,11 @@ class _Rotation:
                                               right=side("r"), inner_state=inner_state)
 
   def stats_all(self, lifted, st):
-    return {k: lifted.per_matrix(lambda s, g, side=side: stats_update(s, g, side, self.b3),
-                                 st[k], lifted.canonical_grads)
+    def update(s, g, side):
+      return eigenbasis.stats_update(s, g, side, self.b3)
+
+    return {k: lifted.per_matrix(lambda s, g, side=side: update(s, g, side), st[k],
+                                 lifted.canonical_grads)
             for k, side in (("l", "left"), ("r", "right"))}
 
   def refresh_all(self, lifted, st, bases, eigs, inner_state, first, do_refresh):
@@ -384,13 +285,13 @@ class _Rotation:
     get = lambda k, f: [None if r is None else getattr(r, f) for r in res[k]]  # noqa: E731
     for name in self.reexpress:  # x <- (U_L'^T U_L) x (U_R^T U_R')
       new = lifted.per_matrix(
-          lambda x, a, b: rotate_in(x, None if a is None else a.T,
+          lambda x, a, b: eigenbasis.rotate_in(x, None if a is None else a.T,
                                     None if b is None else b.T).astype(x.dtype),
           _field_leaves(inner_state, name, lifted.treedef), get("l", "change"),
           get("r", "change"))
       inner_state = otu.tree_set(inner_state, **{name: lifted.unflatten(new)})
     for name in (self.permute if not use_eigh else ()):
-      new = lifted.per_matrix(_permute, _field_leaves(inner_state, name, lifted.treedef),
+      new = lifted.per_matrix(eigenbasis.permute, _field_leaves(inner_state, name, lifted.treedef),
                               get("l", "order"), get("r", "order"))
       inner_state = otu.tree_set(inner_state, **{name: lifted.unflatten(new)})
     return new_bases, new_eigs, inner_state
@@ -398,9 +299,10 @@ class _Rotation:
   def rotated_update(self, lifted, bases, eigs, inner_state):
     power, eps = self.eigenvalue_power, self.stats_eps
     gr = lifted.per_matrix(
-        lambda g, a, b, ea, eb: eig_scale(rotate_in(g, a, b), ea, eb, power, eps),
+        lambda g, a, b, ea, eb: eigenbasis.eig_scale(eigenbasis.rotate_in(g, a, b), ea, eb,
+                                                     power, eps),
         lifted.canonical_grads, bases["l"], bases["r"], eigs["l"], eigs["r"])
     out_r, inner_state = self.inner.update(lifted.unflatten(gr), inner_state, None)
-    out = lifted.per_matrix(lambda o, a, b: rotate_out(o.astype(jnp.float32), a, b),
+    out = lifted.per_matrix(lambda o, a, b: eigenbasis.rotate_out(o.astype(jnp.float32), a, b),
                             lifted.leaves_of(out_r), bases["l"], bases["r"])
     return out, inner_state

@@ -114,7 +114,7 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def scale_by_shape(*, consistent_rms: Optional[float] = None,
+def scale_by_shape(*, consistent_rms: Optional[float] = None, floor: bool = True,
                    dims: matrices.DimsSpec = None) -> optax.GradientTransformation:
   """The magnitude convention of whitened updates (Muon's; ``optax.contrib.muon``'s).
 
@@ -123,7 +123,8 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
   (RMS ``consistent_rms``: Moonshot's convention, arXiv 2502.16982, which lets AdamW
   learning rates carry over) or, when ``None``, by ``sqrt(max(1, n / m))`` with ``m`` the
   rows (fan-in) and ``n`` the columns (fan-out) of the leaf (Jordan et al.'s width
-  scaling). Stateless.
+  scaling); with ``floor=False`` by ``sqrt(n / m)`` (Dion's ``sqrt(d_out / d_in)``,
+  arXiv:2504.05295: a matrix that narrows is scaled down). Stateless.
   """
   if consistent_rms is not None:
     validation.check_range("consistent_rms", consistent_rms, low=0.0, high=float("inf"))
@@ -131,7 +132,7 @@ def scale_by_shape(*, consistent_rms: Optional[float] = None,
   def per_matrix(g, view):
     fan_in, fan_out = view.fan_in, view.fan_out
     if consistent_rms is None:
-      c = math.sqrt(max(1.0, fan_out / fan_in))
+      c = math.sqrt(max(1.0, fan_out / fan_in) if floor else fan_out / fan_in)
     else:
       c = math.sqrt(max(fan_in, fan_out)) * consistent_rms
     return g * c

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import jax
 import numpy as np
 
-from fisher_optax import matrices, routing
+from fisher_optax import matrices, model_dims, routing
 from fisher_optax.fisher import structure_errors as se
 
 
@@ -132,7 +132,7 @@ class FisherReport:
 def _per_matrix_samples(grads: Sequence[Any], params: Any, mask: Any, dims: Any) -> dict:
   """``{matrix name: [N, m, n] float32}`` for the routed matrices of the gradients."""
   labels = jax.tree.leaves(routing.resolve_mask(mask, params, dims))
-  dims_leaves = jax.tree.leaves(matrices.resolve_dims(dims, params),
+  dims_leaves = jax.tree.leaves(model_dims.resolve_dims(dims, params),
                                 is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   per_sample = [jax.tree.leaves(g) for g in grads]

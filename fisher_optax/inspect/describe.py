@@ -18,7 +18,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from fisher_optax import matrices, routing, stacking
+from fisher_optax import matrices, model_dims, routing, stacking
 from fisher_optax.inspect import memory
 
 
@@ -175,7 +175,7 @@ def _routing_by_path(found: list) -> dict:
   for rec in found:
     inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
     labels = jax.tree.leaves(rec.labels)
-    dims = jax.tree.leaves(matrices.resolve_dims(rec.routed.dims, rec.params),
+    dims = jax.tree.leaves(model_dims.resolve_dims(rec.routed.dims, rec.params),
                            is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
     for (path, _), label, d in zip(inner, labels, dims):
       seen.setdefault(matrices.path_to_str(path), (rec, label, d))

@@ -11,6 +11,8 @@ Alice          ``2nr + mr + r^2 + n`` (+1 limiter scalar)
 Alice-0        ``2nr + mr + n`` (+1)
 Alice-SOAP     ``mr + r^2 + nk + k^2 + 2rk + n + r`` (+2 limiter scalars; ``k`` the
                right rank, default ``r``; not in the paper: docs/low_rank_soap.md)
+Dion           ``mn + mr`` (momentum and the smaller side's ``Q``; Ahn et al. 2025,
+               arXiv:2504.05295, not in the paper; ``r`` as given or a fraction of ``m``)
 Apollo         ``2nr`` (+1 limiter scalar)
 Apollo-mini    ``2n`` (+1 limiter norm) -- the paper's ``2n + 2`` counts a stored seed;
                here the projection's key follows from the step counter
@@ -76,13 +78,14 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
 
   ``m, n`` are the matrix sizes in any order (the formulas use ``m <= n``), except for
   ``normuon``, whose per-neuron moment needs them as ``(fan_in, fan_out)``;
-  ``rank`` is clipped to ``min(m, n)``; ``right_rank`` (Alice-SOAP's ``k``, default
+  ``rank`` is clipped to ``min(m, n)`` (Dion: an int, or a float fraction of it rounded
+  up); ``right_rank`` (Alice-SOAP's ``k``, default
   ``rank``) to ``n``.
   """
   if name == "normuon":  # momentum and one second moment per fan-out unit
     return m * n + n, 0
   m, n = min(m, n), max(m, n)
-  r = min(rank, m)
+  r = max(1, min(m, math.ceil(rank * m))) if isinstance(rank, float) else min(rank, m)
   k = min(rank if right_rank is None else right_rank, n)
   table = {
       "racs": (m + n, 1),
@@ -91,6 +94,7 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
       "alice": (2 * n * r + m * r + r * r + n, 1),
       "alice0": (2 * n * r + m * r + n, 1),
       "alice_soap": (m * r + r * r + n * k + k * k + 2 * r * k + n + r, 2),
+      "dion": (m * n + m * r, 0),
       "apollo": (2 * n * r, 1),
       "apollo_mini": (2 * n, 1),
       "eigen_adam": (2 * m * m + 2 * m * n, 0),

@@ -15,7 +15,7 @@ updates come back with the gradients' shardings and the new state with the old s
 (its type is unchanged from step to step, so ``jax.jit`` does not recompile and
 ``lax.cond`` branches agree). Without a context mesh, or with ``Auto`` axes only, the
 update runs as it is. Named optimizers apply it to their structured rule
-(``_finish`` in ``fisher_optax.alias``); a chain of blocks built by hand takes it as
+(``finish`` in ``fisher_optax.alias.closing``); a chain of blocks built by hand takes it as
 ``with_auto_axes(optax.chain(...))``.
 """
 

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fisher_optax import matrices, routing, stacking
+from fisher_optax import matrices, model_dims, routing, stacking
 
 # Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
 # attribute ({field: role}); undeclared fields are "auto" (matched by size).
@@ -172,7 +172,7 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
     dims = tx.dims
   p_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   s_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: x is None or isinstance(x, P))
-  dims_tree = matrices.resolve_dims(dims, params)
+  dims_tree = model_dims.resolve_dims(dims, params)
   d_leaves = jax.tree.leaves(dims_tree, is_leaf=lambda x: isinstance(x, matrices.MatrixDims))
   by_path = {tuple(path): (leaf.shape, spec, d, i)
              for i, ((path, leaf), spec, d) in enumerate(zip(p_leaves, s_leaves, d_leaves))}
