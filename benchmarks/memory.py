@@ -42,9 +42,10 @@ PAPER = {  # GiB: (Mem, Mem*) per preset; None = not reported
     "alice0": {"60M": (0.21, 0.26), "130M": (0.51, 0.57), "350M": (1.2, 1.29), "1B": (4.25, 4.44)},
     "alice": {"60M": (0.22, 0.26), "130M": (0.53, 0.59), "350M": (1.24, 1.33), "1B": (4.42, 4.6)},
 }
-# Not in the paper (its low-rank SOAP is future work there; NorMuon is later work):
+# Not in the paper (its low-rank SOAP is future work there; NorMuon and Dion are later
+# work; dion16: Dion at rank 1/16):
 # measured, no paper value.
-OURS = ("alice_soap", "normuon")
+OURS = ("alice_soap", "normuon", "dion", "dion16")
 # The paper's Apollo-svd row: rank as GaLore, projection by SVD; our apollo is the random-
 # projection release, whose state has no m x r basis, so its Mem* is compared for reference.
 PRESETS = ("60M", "130M", "350M", "1B")

@@ -26,7 +26,8 @@ from fisher_optax.flax_dims import FlaxDims, flax_dims, linen_dims
 from fisher_optax.haiku_dims import HaikuDims, haiku_dims
 from fisher_optax.inspect.describe import Description, describe
 from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_numbers
-from fisher_optax.matrices import NOT_A_MATRIX, DimsRule, MatrixDims, Unclassified
+from fisher_optax.matrices import (EMBEDDING, NOT_A_MATRIX, DimsRule, Embedding, MatrixDims,
+                                   Unclassified)
 from fisher_optax.model_dims import ModelDims, einsum_dims
 from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
@@ -54,7 +55,7 @@ __all__ = [
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByMomentumState",
     "ScaleByRowMomentsState", "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism
-    "DimsRule", "EquinoxDims", "FallbackWarning", "FlaxDims", "HaikuDims", "MatrixDims",
+    "DimsRule", "EMBEDDING", "Embedding", "EquinoxDims", "FallbackWarning", "FlaxDims", "HaikuDims", "MatrixDims",
     "ModelDims", "NOT_A_MATRIX", "PathMask", "Unclassified", "default_mask", "einsum_dims",
     "equinox_dims", "flax_dims", "haiku_dims", "linen_dims", "in_float32", "path_mask",
     "Description", "describe", "paper_state_numbers", "state_bytes", "state_numbers",

@@ -13,7 +13,7 @@ parameter                                  matrix (rows x cols)
 ``Linear`` weight ``(out, in)``            ``in x out``: ``MatrixDims(rows=-1, cols=-2)``
 ``Conv``/``ConvTranspose`` weight          ``in*k1*...*ks x out``
 ``(out, in, k1, ..., ks)``
-``Embedding`` weight ``(vocab, features)`` ``vocab x features``
+``Embedding`` weight ``(vocab, features)`` ``EMBEDDING`` (fallback, as the paper)
 biases, norm weights and biases            ``NOT_A_MATRIX``
 ``MultiheadAttention``                     its four ``Linear`` projections, as above
 a 2-D array of another module              ``(out, in)``, as Equinox's own layers
@@ -93,7 +93,7 @@ def _leaf_dims(eqx, module: Any, name: Optional[str], path, ndim: int):
       return matrices.NOT_A_MATRIX
     return matrices.MatrixDims(rows=tuple(range(-s - 1, 0)), cols=-s - 2)
   if isinstance(module, nn.Embedding):
-    return matrices.MatrixDims() if name == "weight" and ndim >= 2 else matrices.NOT_A_MATRIX
+    return matrices.EMBEDDING if name == "weight" and ndim >= 2 else matrices.NOT_A_MATRIX
   norms = tuple(getattr(nn, n) for n in ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
                 if hasattr(nn, n))
   if isinstance(module, norms) or ndim < 2 or routing.is_vector_name(path):

@@ -30,9 +30,10 @@ with its equation, as ``gemma``'s),
 e.g. ``"BTD,NDH->BTNH"``
 ``Conv``/``ConvTranspose`` kernel            ``kh*kw*cin x cout``                Shampoo
 ``(kh, kw, cin, cout)``                                                          for conv
-``Embed`` embedding                          ``vocab x features``                (route
-                                                                                 with
-                                                                                 ``mask``)
+``Embed`` embedding (also tied as the         ``EMBEDDING``: the fallback          the paper
+output layer), and a 2-D parameter of any    (``overrides=`` routes it)          (Adam)
+module whose class name holds ``Embed``
+(Gemma's ``Embedder``, MaxText's ``Embed``)
 biases, norm scales, any other parameter     ``NOT_A_MATRIX``                    fallback
 of a known module
 ``kernel`` of another module that declares   in-feature axes x out-feature axes; MaxText
@@ -140,7 +141,7 @@ def _layer_dims(lib, module, name: str, ndim: int):
   if isinstance(module, (lib.Conv, lib.ConvTranspose)):
     return _kernel_only(name, "kernel", _conv(ndim, module.kernel_size))
   if isinstance(module, lib.Embed):
-    return _kernel_only(name, "embedding", _last_two(ndim))
+    return _kernel_only(name, "embedding", matrices.EMBEDDING)
   norms = tuple(getattr(lib, n) for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm")
                 if hasattr(lib, n))
   if isinstance(module, norms):
@@ -231,6 +232,8 @@ def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tu
     rest = tuple(a for a in range(ndim) if not _is_batch_name(names[a]))
     if len(rest) == 2:
       return matrices.MatrixDims(rows=rest[0], cols=rest[1])
+  if ndim == 2 and module is not None and "Embed" in type(module).__name__:
+    return matrices.EMBEDDING  # an embedding table of another library (Gemma's Embedder)
   if ndim == 2:
     return matrices.MatrixDims()
   owner = type(module).__name__ if module is not None else "no module"

@@ -15,7 +15,7 @@ parameter                                   matrix (rows x cols)
 cout)``
 ``w`` of a ``*_transpose`` conv             ``kh*kw*cin x cout`` (its ``cin`` is
 ``(kh, kw, cout, cin)``                     last)
-``embeddings`` of ``hk.Embed``              ``vocab x features``
+``embeddings`` of ``hk.Embed``              ``EMBEDDING`` (fallback, as the paper)
 leading axes beyond those                   layers (``hk.layer_stack``,
                                             ``hk.vmap``): batch axes
 ``b``, ``scale``, ``offset``, biases and    ``NOT_A_MATRIX``
@@ -61,7 +61,7 @@ def _leaf(module: str, name: str, shape: tuple, path) -> matrices.MatrixDims:
   if routing.is_vector_name(path) or name in ("b", "offset", "scale") or ndim < 2:
     return matrices.NOT_A_MATRIX
   if name == "embeddings" and _EMBED.match(short):
-    return matrices.MatrixDims()
+    return matrices.EMBEDDING
   if name != "w":
     return _unknown(module, name, ndim)
   if _DEPTHWISE.search(short):

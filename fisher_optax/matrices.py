@@ -64,6 +64,21 @@ class NotAMatrix(MatrixDims):
 NOT_A_MATRIX = NotAMatrix()
 
 
+class Embedding(NotAMatrix):
+  """A ``dims`` entry for the table of an embedding module (``nnx.Embed``, ``nn.Embed``,
+  ``eqx.nn.Embedding``, ``hk.Embed``; also when tied as the output layer):
+  :data:`EMBEDDING` is its instance. The model rules give it, so the table trains on the
+  fallback, as the paper trains embeddings (Adam; App. "Experiment details"), and
+  :func:`~fisher_optax.describe` labels the leaf. To train a table with the structured
+  rule, give its path ``fo.MatrixDims()`` in the rule's ``overrides=``."""
+
+  def __repr__(self):
+    return "EMBEDDING"
+
+
+EMBEDDING = Embedding()
+
+
 class Unclassified(NotAMatrix):
   """A ``dims`` entry for a parameter whose matrix view a model rule could not tell
   (e.g. a 3-D parameter of a module :func:`~fisher_optax.flax_dims` does not know).

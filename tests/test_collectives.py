@@ -100,3 +100,49 @@ def test_collectives_script_runs_on_tiny(tmp_path):
   # GaLore's subspace iterations run a run-time number of times: counted once, and said
   assert rows["adam"]["loops_without_trip_count"] == 0
   assert rows["galore"]["loops_without_trip_count"] >= 1
+
+
+def _largest_collective(text):
+  """Bytes of the largest collective result in an HLO text (async starts included)."""
+  out = 0
+  for line in text.splitlines():
+    op = C._OP.match(line)
+    if op and op.group(2).removesuffix("-start") in C.KINDS:
+      parts = C._ARRAY.findall(op.group(1))
+      if parts:  # an async start's (operands, result): the result is the last
+        out = max(out, C.shape_bytes("{}[{}]".format(*parts[-1])))
+  return out
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+def test_dion_sends_factors_where_muon_sends_matrices():
+  """FSDP on 8 devices, matrices split along their larger side. No collective of Dion's
+  update is larger than a leaf's factors (``n x r`` per matrix, the stack's two at once:
+  a quarter of its matrices at rank ``m / 4``): no matrix is gathered. Muon's Newton--Schulz iterations on the split matrices send
+  more than the parameters' own bytes per device; Dion's whole update sends what its
+  factors cost, ``P`` gathered and ``R = B P`` all-reduced (``(n r + 2 m r) (g - 1) / g``
+  floats per matrix, the paper's ``(m + n) r`` with the all-reduce's two passes), within
+  20%, under a quarter of Muon's."""
+  import fisher_optax as fo
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  shapes = {"wide": (64, 256), "tall": (256, 64), "stack": (2, 64, 256)}
+  specs = {"wide": P(None, "fsdp"), "tall": P("fsdp", None), "stack": P(None, None, "fsdp")}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, specs[k]))
+            for k, s in shapes.items()}
+  p_sh = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+  param_bytes = 4 * 64 * 256 * 4
+  largest, sent = {}, {}
+  for name, tx in [("dion", fo.dion(0.01, rank=16, dims=fo.MatrixDims())),
+                   ("muon", fo.muon(0.01, dims=fo.MatrixDims()))]:
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(tx.init, params), s_sh)
+    step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    text = step.lower(params, state, params).compile().as_text()
+    largest[name] = _largest_collective(text)
+    sent[name] = C.traffic(text, 8, refresh=False)[0].total
+  assert 0 < largest["dion"] <= 2 * 256 * 16 * 4, largest
+  assert sent["muon"] > param_bytes
+  factors = 4 * 4 * (256 * 16 + 2 * 64 * 16) * 7 / 8
+  assert factors <= sent["dion"] <= 1.2 * factors, (sent, factors)
+  assert sent["dion"] < sent["muon"] / 4, sent

@@ -50,7 +50,7 @@ def test_flax_dims_rule_table_leaf_by_leaf(model):
     assert t[f"mha/{k}/bias"] is fo.NOT_A_MATRIX
   assert t["mha/out/kernel"] == M(rows=(0, 1), cols=(2,))     # heads*head_dim x out
   assert t["conv/kernel"] == M(rows=(0, 1, 2), cols=3)        # kh*kw*cin x cout
-  assert t["embed/embedding"] == M(rows=0, cols=1)
+  assert t["embed/embedding"] is fo.EMBEDDING                  # the fallback, as the paper
 
 
 def test_describe_reports_merged_views_and_state_of_one_matrix(model):
@@ -72,7 +72,9 @@ def test_describe_reports_merged_views_and_state_of_one_matrix(model):
   rows = {r.path: r for r in fo.describe(fo.racs(1e-2), params).rows}
   for k in ("mha/query/kernel", "mha/out/kernel", "conv/kernel", "blocks/lin/kernel"):
     assert rows[k].rule == "fallback" and rows[k].view == "? *", k
-  assert rows["embed/embedding"].rule == "racs"
+  # without a model rule an embedding table is a 2-D matrix: the structured rule, flagged
+  assert rows["embed/embedding"].rule == "racs" and rows["embed/embedding"].embedding
+  assert "~ embed/embedding" in fo.describe(fo.racs(1e-2), params).note
   assert "flax_dims" in fo.describe(fo.racs(1e-2), params).note
 
 

@@ -45,7 +45,7 @@ def test_haiku_dims_rule_table():
   assert table["conv1_d/w"] == fo.MatrixDims(rows=(0, 1), cols=2)          # (k, cin, cout)
   assert table["conv2_d/w"] == fo.MatrixDims(rows=(0, 1, 2), cols=3)       # HWIO
   assert table["conv2_d_transpose/w"] == fo.MatrixDims(rows=(0, 1, 3), cols=2)  # (.., cout, cin)
-  assert table["embed/embeddings"] == fo.MatrixDims()
+  assert table["embed/embeddings"] is fo.EMBEDDING  # the fallback, as the paper
   stacked = [k for k in table if k.endswith("linear/w") and "layer_stack" in k]
   assert stacked and table[stacked[0]] == fo.MatrixDims()  # (3, in, out): 3 layers
   for k, d in table.items():

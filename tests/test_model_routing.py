@@ -114,7 +114,7 @@ def test_gemma_style_nnx_attention_routes_every_einsum_kernel():
   assert got["layer/attn/attn_vec_einsum/kernel"] == ("muon", f"{N * HD} x {D}")
   assert got["layer/gating_einsum/w"] == ("muon", f"{D} x {2 * F}")
   assert got["layer/linear/w"] == ("muon", f"{F} x {D}")
-  assert got["embedder/embedding"] == ("muon", f"{V} x {D}")
+  assert got["embedder/embedding"] == ("fallback", "embedding")  # as the paper: Adam
   for k in ("layer/pre_attention_norm/scale", "layer/pre_ffw_norm/scale", "final_norm/scale"):
     assert got[k] == ("fallback", "-"), k
   assert fo.describe(fo.muon(1e-2, dims=fo.flax_dims(model)), params).unclassified == ()
@@ -208,7 +208,7 @@ def test_lm1b_style_linen_model_under_a_train_state():
   assert got[f"{a}/out/kernel"] == ("alice", f"{L} x {N * HD} x {D}")
   assert got["layers/Dense_0/kernel"] == ("alice", f"{L} x {D} x {F}")
   assert got["layers/Dense_1/kernel"] == ("alice", f"{L} x {F} x {D}")
-  assert got["embed/embedding"] == ("alice", f"{V} x {D}")
+  assert got["embed/embedding"] == ("fallback", "embedding")  # as the paper: Adam
   assert got["logits_dense/kernel"] == ("alice", f"{D} x {V}")
   # 3-D, of the model itself: the rule cannot tell, and says so
   assert got["pos_embedding"] == ("fallback", "? unclassified")

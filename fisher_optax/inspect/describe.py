@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from fisher_optax import matrices, model_dims, routing, stacking
+from fisher_optax.blocks.power import power_rank
 from fisher_optax.inspect import memory
+
+# a leaf named like an embedding table: Flax's "embed/embedding", Haiku's
+# "embed/embeddings", Gemma's "input_embedding", "embed_tokens/weight", GPT-2's "wte"
+_TABLE_NAME = re.compile(r"(embed|wte)[^/]*(/(weight|w|embedding|embeddings))?$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,7 @@ class LeafRouting:
   adam_numbers: int         # Adam's: 2 x size
   own_numbers: int = -1     # the named optimizer's own state for this leaf (-1: all)
   unclassified: str = ""    # why the dims rule could not classify the leaf, if so
+  embedding: bool = False   # an embedding table (by its module, or by its name)
 
   @property
   def above_adam(self) -> bool:
@@ -63,6 +70,13 @@ class Description:
   def above_adam(self) -> tuple:
     """Paths of the structured leaves whose state is larger than Adam's."""
     return tuple(r.path for r in self.rows if r.above_adam)
+
+  @property
+  def embeddings(self) -> tuple:
+    """Paths of the leaves taken for embedding tables: by the model rule (on the
+    fallback) or, without one, by their name (marked ``~`` when they reach the
+    structured rule, which the paper does not do)."""
+    return tuple(r.path for r in self.rows if r.embedding)
 
   @property
   def unclassified(self) -> tuple:
@@ -144,6 +158,16 @@ def describe(tx: Any, params: Any) -> Description:
     notes.append(f"? not classified by the dims rule, so on the fallback: {shown}{more}")
   if found and any(row.rule == "other" for row in rows):
     notes.append("other: leaves that no fisher_optax named optimizer inside tx receives")
+  structured_tables = [r.path for r in rows if r.embedding and r.rule not in ("fallback",
+                                                                              "other")]
+  if structured_tables:
+    notes.append(f"~ {', '.join(structured_tables[:3])}: named like an embedding table and "
+                 "trained by the structured rule; the paper trains embeddings with Adam: "
+                 "mask=fo.path_mask(exclude=['embed']), or dims= from a model rule, which "
+                 "sends them to the fallback")
+  if any(r.embedding and r.rule == "fallback" for r in rows):
+    notes.append("embedding: an embedding table, on the fallback as the paper trains it "
+                 "(overrides={path: fo.MatrixDims()} in the model rule routes it)")
   if any(row.above_adam for row in rows):
     notes.append("! the optimizer's own state for this leaf is above Adam's: a small "
                  "matrix under a rank clipped to its side, or a full-matrix preconditioner "
@@ -185,12 +209,14 @@ def _routing_by_path(found: list) -> dict:
 def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: str,
          own: int = -1) -> LeafRouting:
   """One leaf's row; ``routed`` is its ``(record, label, dims)`` or ``None``."""
-  view, r, rule, why = "-", None, default, ""
+  view, r, rule, why, table = "-", None, default, "", False
   if routed is not None:
     rec, label, d = routed
     rule = rec.routed.info.get("name", "structured") if label == "structured" else "fallback"
     if label == "fallback" and isinstance(d, matrices.Unclassified):
       view, why = "? unclassified", d.reason
+    if label == "fallback" and isinstance(d, matrices.Embedding):
+      view, table = "embedding", True
     if label == "fallback" and rec.routed.dims is None and len(shape) > 2:
       view = "? *"
       star = ("* more than two dims and no dims=: a layer stack, attention or conv kernel "
@@ -203,9 +229,15 @@ def _row(key: str, shape: tuple, routed, numbers: int, notes: list, *, default: 
       v = matrices.matrix_view(shape, d)
       view = " x ".join(map(str, v.batch_shape + (v.fan_in, v.fan_out)))
       rank = rec.routed.info.get("rank")
-      if rank is not None:
+      if isinstance(rank, float):  # a fraction of the smaller side (Dion)
+        r = power_rank(rank, min(v.fan_in, v.fan_out))
+      elif rank is not None:
         r = min(int(rank), v.fan_in, v.fan_out)
+      table = len(shape) == 2 and _TABLE_NAME.search(key) is not None
+      if table:
+        view += " ~"
   return LeafRouting(key, shape, rule, view, r, numbers, 2 * int(math.prod(shape)),
-                     own_numbers=own if routed is not None else -1, unclassified=why)
+                     own_numbers=own if routed is not None else -1, unclassified=why,
+                     embedding=table)
 
 
