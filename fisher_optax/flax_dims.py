@@ -102,13 +102,15 @@ def _conv(ndim: int, kernel_size):
   return matrices.MatrixDims(rows=tuple(range(k, k + spatial + 1)), cols=k + spatial + 1)
 
 
-def _einsum(spec: str, ndim: int):
-  """The spec's view of a weight of ``ndim`` dims, shifted past the leading layer axes
-  that ``nn.scan``/``nnx.vmap`` add in front of the spec's own."""
+def _einsum(spec: str, ndim: int, shape: Optional[tuple] = None):
+  """The spec's view of a weight of ``ndim`` dims (``shape``, when known, for the stacked
+  gate/up rule of :func:`~fisher_optax.einsum_dims`), shifted past the leading layer
+  axes that ``nn.scan``/``nnx.vmap`` add in front of the spec's own."""
   operands = spec.replace(" ", "").split("->")[0].split(",")
   declared = len(operands[1]) if len(operands) == 2 else ndim
   k = ndim - declared
-  d = model_dims.einsum_dims(spec, ndim if k < 0 else declared)
+  own = None if shape is None or k < 0 else tuple(shape)[k:]
+  d = model_dims.einsum_dims(spec, ndim if k < 0 else declared, shape=own)
   if isinstance(d, matrices.NotAMatrix) or k <= 0:
     return d
   shift = lambda axes: tuple(a + k for a in matrices.as_axes(axes))  # noqa: E731
@@ -127,7 +129,7 @@ def _general_counts(module) -> tuple:
   return _len(module.batch_dims or ()), _len(module.axis), _len(module.features)
 
 
-def _layer_dims(lib, module, name: str, ndim: int):
+def _layer_dims(lib, module, name: str, ndim: int, shape: Optional[tuple] = None):
   """Dims of parameter ``name`` (``ndim`` dims) of ``module``, a layer of ``lib`` (NNX or
   Linen: the same layers under two names), or ``None`` if the module type is unknown."""
   linear = getattr(lib, "Linear", None) or lib.Dense
@@ -137,7 +139,7 @@ def _layer_dims(lib, module, name: str, ndim: int):
   if isinstance(module, general):
     return _kernel_only(name, "kernel", _general(ndim, *_general_counts(module)))
   if isinstance(module, lib.Einsum):
-    return _kernel_only(name, "kernel", _einsum(module.einsum_str, ndim))
+    return _kernel_only(name, "kernel", _einsum(module.einsum_str, ndim, shape))
   if isinstance(module, (lib.Conv, lib.ConvTranspose)):
     return _kernel_only(name, "kernel", _conv(ndim, module.kernel_size))
   if isinstance(module, lib.Embed):
@@ -213,9 +215,9 @@ def _other_module(module, path, ndim: int, shape: tuple = (), names: Optional[tu
   experts are set aside, when two; else its two axes when 2-D; else unclassified."""
   spec = getattr(module, "einsum_str", None) if module is not None else None
   if isinstance(spec, str) and ndim >= 2:
-    return _einsum(spec, ndim)
+    return _einsum(spec, ndim, shape)
   if equations and ndim >= 2:  # equations the module was called with
-    views = {_einsum(e, ndim) for e in equations}
+    views = {_einsum(e, ndim, shape) for e in equations}
     if len(views) == 1:
       return views.pop()
     return matrices.Unclassified(
@@ -286,7 +288,8 @@ def _rule(lib, owners: dict, tree: Any, helper: str, overrides: Optional[dict],
     owner_key = _owner_key(owners, key)
     module = None if owner_key is None else owners[owner_key]
     ndims[key] = len(shape)
-    d = _layer_dims(lib, module, key.split("/")[-1], len(shape)) if module is not None else None
+    d = (_layer_dims(lib, module, key.split("/")[-1], len(shape), tuple(shape))
+         if module is not None else None)
     table[key] = d if d is not None else _other_module(
         module, path, len(shape), shape, names,
         frozenset((equations or {}).get(owner_key, ())))

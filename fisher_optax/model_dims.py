@@ -173,7 +173,8 @@ def _convert_muon_tree(tree: Any, mdn: type) -> Any:
   return jax.tree.map(lambda d: _from_muon(d, mdn), tree, is_leaf=is_entry)
 
 
-def einsum_dims(spec: str, ndim: int, operand: int = 1) -> MatrixDims:
+def einsum_dims(spec: str, ndim: int, operand: int = 1,
+                shape: Optional[tuple] = None) -> MatrixDims:
   """The matrix view of the weight of a parametrized einsum (``nnx.Einsum``,
   ``linen.Einsum``, Gemma's ``Einsum``): ``spec`` such as ``"BTD,NDH->BTNH"``, the
   weight being operand ``operand`` (default the second) with ``ndim`` axes.
@@ -185,7 +186,12 @@ def einsum_dims(spec: str, ndim: int, operand: int = 1) -> MatrixDims:
     the output, before every axis carried over from the input (Gemma's
     ``"BSD,CKDH->CBSKH"``: ``C`` stacks the key and value projections), then a
     **batch** axis: each index is an independent matrix;
-  * in the input and the output: a **batch** axis (one matrix per index).
+  * in the input and the output: a **batch** axis (one matrix per index);
+  * with ``shape`` (the weight's), a **stacked pair of projections**: the weight's first
+    axis, of size 2, in the output only and not its only output axis -- Gemma's gating
+    ``"...F,NFH->...NH"`` with ``(2, F, H)``, gate and up -- is a batch axis: two
+    matrices, not one of twice the width (a 2-head projection written heads first,
+    ``"BTD,NDH->BTNH"`` with ``N = 2``, then reads as two per-head matrices).
 
   Returns :data:`NOT_A_MATRIX` for a weight with no row or no column axis (a scale or a
   vector), and :class:`Unclassified` with the reason for a spec it cannot read (an
@@ -221,6 +227,9 @@ def einsum_dims(spec: str, ndim: int, operand: int = 1) -> MatrixDims:
         cols.append(a)
     elif c not in x and c not in out:
       return bad(f"axis {c!r} of the weight is summed within the weight")
+  if (shape is not None and len(shape) == ndim and shape[0] == 2 and cols[:1] == [0]
+      and len(cols) > 1):
+    cols = cols[1:]  # gate and up stacked: two matrices
   if not rows or not cols:
     return NOT_A_MATRIX
   return MatrixDims(rows=tuple(rows), cols=tuple(cols))

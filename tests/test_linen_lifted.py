@@ -165,5 +165,5 @@ def test_linen_dims_reads_einsum_equations_passed_at_call_time():
     assert table["q_einsum/w"] == fo.MatrixDims(rows=(1,), cols=(0, 2))
     assert table["kv_einsum/w"] == fo.MatrixDims(rows=(2,), cols=(1, 3))  # C: a stack
     assert table["attn_vec_einsum/w"] == fo.MatrixDims(rows=(0, 1), cols=(2,))
-    assert table["gating_einsum/w"] == fo.MatrixDims(rows=(2,), cols=(0, 1))
+    assert table["gating_einsum/w"] == fo.MatrixDims(rows=(2,), cols=(1,))  # gate, up: 2
     assert table["linear/w"] == fo.MatrixDims(rows=(0,), cols=(1,))

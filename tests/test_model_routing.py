@@ -34,13 +34,26 @@ def views(tx, params) -> dict:
     ("BSD,CKDH->CBSKH", 4, fo.MatrixDims(rows=(2,), cols=(1, 3))),        # Gemma kv
     ("BTD,SNDH->SBTNH", 4, fo.MatrixDims(rows=(2,), cols=(1, 3))),        # Gemma qkv
     ("BTNH,NHD->BTD", 3, fo.MatrixDims(rows=(0, 1), cols=(2,))),          # attn_vec
-    ("...F,NHF->...NH", 3, fo.MatrixDims(rows=(2,), cols=(0, 1))),        # ellipsis
+    ("...F,NHF->...NH", 3, fo.MatrixDims(rows=(2,), cols=(0, 1))),        # ellipsis, no shape
     ("ij,jk", 2, fo.MatrixDims(rows=(0,), cols=(1,))),                    # implicit output
     ("btnh,nhd->btnd", 3, fo.MatrixDims(rows=(1,), cols=(2,))),           # n: batch axis
     ("BTD,D->BT", 1, fo.NOT_A_MATRIX),                                    # a vector
 ])
 def test_einsum_dims_reads_the_spec(spec, ndim, want):
   assert model_dims.einsum_dims(spec, ndim) == want
+
+
+@pytest.mark.parametrize("spec,shape,want", [
+    ("...F,NFH->...NH", (2, 16, 32), fo.MatrixDims(rows=(1,), cols=(2,))),   # gate, up
+    ("...F,NHF->...NH", (2, 32, 16), fo.MatrixDims(rows=(2,), cols=(1,))),   # transposed
+    ("BTD,NDH->BTNH", (4, 16, 8), fo.MatrixDims(rows=(1,), cols=(0, 2))),    # 4 heads: one
+    ("BSD,CKDH->CBSKH", (2, 2, 16, 8), fo.MatrixDims(rows=(2,), cols=(1, 3))),  # kv: C stack
+    ("BD,ND->BN", (2, 16), fo.MatrixDims(rows=(1,), cols=(0,))),             # only column
+])
+def test_a_leading_pair_of_projections_is_two_matrices(spec, shape, want):
+  """The stated rule: with the weight's shape, a first axis of size 2 that the output
+  keeps beside another output axis stacks two projections (Gemma's gate and up)."""
+  assert model_dims.einsum_dims(spec, len(shape), shape=shape) == want
 
 
 @pytest.mark.parametrize("spec,ndim,why", [
@@ -112,7 +125,7 @@ def test_gemma_style_nnx_attention_routes_every_einsum_kernel():
   assert got["layer/attn/q_einsum/kernel"] == ("muon", f"{D} x {N * HD}")
   assert got["layer/attn/kv_einsum/kernel"] == ("muon", f"2 x {D} x {K * HD}")  # k and v
   assert got["layer/attn/attn_vec_einsum/kernel"] == ("muon", f"{N * HD} x {D}")
-  assert got["layer/gating_einsum/w"] == ("muon", f"{D} x {2 * F}")
+  assert got["layer/gating_einsum/w"] == ("muon", f"2 x {D} x {F}")  # gate and up
   assert got["layer/linear/w"] == ("muon", f"{F} x {D}")
   assert got["embedder/embedding"] == ("fallback", "embedding")  # as the paper: Adam
   for k in ("layer/pre_attention_norm/scale", "layer/pre_ffw_norm/scale", "final_norm/scale"):
