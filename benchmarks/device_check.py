@@ -20,7 +20,7 @@ still running at its limit is interrupted and keeps what it printed):
    moments.
 3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
    for racs, alice, galore, the optax peers (``optax.contrib.muon`` as ``muon``,
-   ``optax.contrib.galore``), soap, alice0, fira and apollo_mini: ordinary, refresh and
+   ``optax.contrib.galore``), soap, alice0, fira, apollo_mini and dion: ordinary, refresh and
    amortised step as ratios to ``optax.adam``'s update in the same process, and compile
    seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
 4. ``tests``: the default test suite (``python -m pytest -n N tests``) at the device's
@@ -80,7 +80,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FULL = dict(presets=("60M", "130M"),
             optimizers=("racs", "alice", "galore", "muon", "optax_galore", "soap", "alice0",
-                        "fira", "apollo_mini"),
+                        "fira", "apollo_mini", "dion"),
             layouts=("stacked", "per-leaf"), reps=8, refresh_reps=2,
             train_preset="60M", train_optimizers=("racs", "alice", "muon"), train_dtype="bfloat16",
             train_rounds=2, train_steps=3,
