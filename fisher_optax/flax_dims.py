@@ -290,9 +290,9 @@ def _rule(lib, owners: dict, tree: Any, helper: str, overrides: Optional[dict],
     ndims[key] = len(shape)
     d = (_layer_dims(lib, module, key.split("/")[-1], len(shape), tuple(shape))
          if module is not None else None)
+    eqs = (equations or {}).get(key) or (equations or {}).get(owner_key, ())
     table[key] = d if d is not None else _other_module(
-        module, path, len(shape), shape, names,
-        frozenset((equations or {}).get(owner_key, ())))
+        module, path, len(shape), shape, names, frozenset(eqs))
   return FlaxDims(model_dims.apply_overrides(table, overrides, helper, ndims, on_unmatched))
 
 
@@ -398,7 +398,11 @@ def linen_dims(module: Any, *example_inputs: Any, overrides: Optional[dict] = No
   def record(fn, args, kwargs, context):
     key = "/".join(context.module.path)
     owners.setdefault(key, context.module)
-    equations.setdefault(key, set()).update(_equations(args, kwargs))
+    # a module naming its weight (gemma's Einsum(weight_name=...), which shares its
+    # parent's scope with nn.share_scope) gets its equations by that parameter's path
+    weight = getattr(context.module, "weight_name", None)
+    where = "/".join(p for p in (key, weight) if p) if isinstance(weight, str) else key
+    equations.setdefault(where, set()).update(_equations(args, kwargs))
     return fn(*args, **kwargs)
 
   init = lambda: module.init(jax.random.key(0), *example_inputs, method=method,  # noqa: E731

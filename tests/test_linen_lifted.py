@@ -158,6 +158,38 @@ class GemmaBlock(nn.Module):
     return Einsum((F, D), name="linear")("...H,HF->...F", gate[..., 0, :] * gate[..., 1, :])
 
 
+class NamedEinsum(nn.Module):
+  """gemma's ``Einsum`` with ``weight_name``, the MLP's: its weight is named after the
+  einsum and lives in the parent's scope (``nn.share_scope``)."""
+  shape: tuple
+  weight_name: str = "w"
+
+  @nn.compact
+  def __call__(self, eqn, x):
+    return jnp.einsum(eqn, x, self.param(self.weight_name, nn.initializers.normal(),
+                                         self.shape))
+
+
+class FeedForward(nn.Module):
+  """gemma's ``FeedForward``: two einsums sharing its scope."""
+
+  @nn.compact
+  def __call__(self, x):
+    gating = NamedEinsum((2, D, F), weight_name="gating_einsum")
+    nn.share_scope(self, gating)
+    gate = gating("...F,NFH->...NH", x)
+    linear = NamedEinsum((F, D), weight_name="linear")
+    nn.share_scope(self, linear)
+    return linear("...H,HF->...F", gate[..., 0, :] * gate[..., 1, :])
+
+
+def test_linen_dims_reads_einsums_that_share_their_parents_scope():
+  module, x = FeedForward(), jnp.ones((2, 5, D))
+  table = fo.linen_dims(module, x).table
+  assert table["gating_einsum"] == fo.MatrixDims(rows=(1,), cols=(2,))  # gate, up: 2
+  assert table["linear"] == fo.MatrixDims(rows=(0,), cols=(1,))
+
+
 def test_linen_dims_reads_einsum_equations_passed_at_call_time():
   module, x = GemmaBlock(), jnp.ones((2, 5, D))
   for _ in range(2):  # the same on a second call (nn.jit)
