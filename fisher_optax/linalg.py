@@ -198,6 +198,13 @@ def positive_qr(x: jax.Array) -> jax.Array:
   return jax.lax.platform_dependent(x, cpu=householder, default=cholesky_qr)
 
 
+def unit_max(x: jax.Array) -> jax.Array:
+  """``x / max|x|`` (``x`` itself where that maximum is 0 or not finite): a scale that
+  keeps products of tiny or huge entries inside float32's range."""
+  top = jnp.max(jnp.abs(x))
+  return x / jnp.where((top > 0) & jnp.isfinite(top), top, 1.0)
+
+
 def orthonormal_columns(y: jax.Array) -> jax.Array:
   """An orthonormal ``n x r`` basis of the columns of any ``y`` (``n >= r``), in
   Gram--Schmidt order: the positive-diagonal thin QR factor of ``Y + delta E`` with
@@ -215,7 +222,7 @@ def orthonormal_columns(y: jax.Array) -> jax.Array:
   y = y.astype(f32)
   top = jnp.max(jnp.abs(y))
   ok = (top > 0) & jnp.isfinite(top)
-  y = y / jnp.where(ok, top, 1.0)
+  y = unit_max(y)
   e = jnp.eye(y.shape[-2], y.shape[-1], dtype=f32)
   norm = jnp.sqrt(jnp.sum(jnp.square(y)))
   return positive_qr(jnp.where(ok, y + 1e-6 * norm * e, e))

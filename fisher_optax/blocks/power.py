@@ -156,7 +156,7 @@ def power_operand(b: jax.Array, q: jax.Array) -> jax.Array:
   """``B^T Q`` of one matrix, with ``B`` and ``Q`` divided by their largest entries: its
   QR factor does not depend on their scale, and tiny or huge gradients then neither
   underflow nor overflow."""
-  return linalg.matmul(jnp.swapaxes(_unit_max(b), -1, -2), _unit_max(q))
+  return linalg.matmul(jnp.swapaxes(linalg.unit_max(b), -1, -2), linalg.unit_max(q))
 
 
 def orthonormal_factors(lifted: lifting.Lifted, ys: list) -> list:
@@ -193,12 +193,6 @@ def power_step(b: jax.Array, q: jax.Array, p: jax.Array, mu,
   momentum = b - (1.0 - mu) * linalg.matmul(r, jnp.swapaxes(p, -1, -2))
   q_new = r / (_column_norms(r) + eps)
   return linalg.matmul(q_new, jnp.swapaxes(p, -1, -2)), momentum, q_new
-
-
-def _unit_max(x: jax.Array) -> jax.Array:
-  """``x / max|x|`` (``x`` itself where that is 0 or not finite)."""
-  top = jnp.max(jnp.abs(x))
-  return x / jnp.where((top > 0) & jnp.isfinite(top), top, 1.0)
 
 
 def _column_norms(x: jax.Array) -> jax.Array:

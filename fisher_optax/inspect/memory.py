@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from fisher_optax import matrices
+from fisher_optax.blocks.power import power_rank
 
 
 def state_bytes(state: Any) -> int:
@@ -85,7 +86,7 @@ def paper_state_numbers(name: str, m: int, n: int, rank: int = 0,
   if name == "normuon":  # momentum and one second moment per fan-out unit
     return m * n + n, 0
   m, n = min(m, n), max(m, n)
-  r = max(1, min(m, math.ceil(rank * m))) if isinstance(rank, float) else min(rank, m)
+  r = power_rank(rank, m)  # an int clipped to m, or Dion's fraction of m rounded up
   k = min(rank if right_rank is None else right_rank, n)
   table = {
       "racs": (m + n, 1),
