@@ -9,9 +9,12 @@ import sys
 DOCS = pathlib.Path(__file__).resolve().parent
 
 
-def sphinx(builder: str) -> None:
+def sphinx(builder: str, *, fresh: bool = False) -> None:
   out = DOCS / "_build" / builder
+  # fresh: read every page again, so that a docstring changed since the last build is
+  # checked here as on a clean clone (an incremental build keeps the old doctree)
   cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", builder,
+         *(["-E"] if fresh else []),
          "-d", str(DOCS / "_build" / "doctrees"), str(DOCS), str(out)]
   print("+", " ".join(cmd), flush=True)
   subprocess.run(cmd, check=True)
@@ -35,7 +38,7 @@ def check_offline(html_dir: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  sphinx("html")
+  sphinx("html", fresh=True)
   check_offline(DOCS / "_build" / "html")
   sphinx("doctest")
   print(f"site: {DOCS / '_build' / 'html' / 'index.html'}")

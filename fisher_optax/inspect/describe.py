@@ -73,9 +73,12 @@ class Description:
 
   @property
   def embeddings(self) -> tuple:
-    """Paths of the leaves taken for embedding tables: by the model rule (on the
-    fallback) or, without one, by their name (marked ``~`` when they reach the
-    structured rule, which the paper does not do)."""
+    """Paths of the leaves taken for embedding tables.
+
+    A leaf is taken for a table by the model rule, which sends it to the fallback,
+    or, without one, by its name; it is then marked ``~`` when it reaches the
+    structured rule, which the paper does not do.
+    """
     return tuple(r.path for r in self.rows if r.embedding)
 
   @property
