@@ -3,6 +3,7 @@ compiled program.
 
     python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
+                                     [--owner-layout default|on|off] [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
 the state's from ``fo.state_shardings``) is compiled on abstract shapes of a LLaMA
@@ -23,13 +24,20 @@ its HLO after SPMD partitioning (``compiled.as_text()``) is read:
 Each figure is reported against the model's parameter bytes, beside the yardstick: the
 LLaMA example's gradient computation under the same layout (``train step``: FSDP's own
 parameter gathers and gradient reductions). Layouts: ``fsdp`` (every
-matrix sharded on its larger axis over all devices), ``fsdp_tp`` (Megatron tensor
+matrix sharded on its larger axis over all devices, on the other where the larger does not
+divide), ``fsdp_tp`` (Megatron tensor
 parallelism over 2 devices -- q/k/v/gate/up column-parallel, o/down row-parallel, the
 embedding and output layer over the vocabulary -- and FSDP over the rest on the other
 axis) and ``dp`` (replicated parameters: nothing to send). The optimizers are the LLaMA
 example's (``benchmarks/step_time.py``): ``adam`` is ``optax.adam``, ``muon``
 ``optax.contrib.muon``, ``fo_muon`` the library's Muon; the library's run in the
-per-leaf layout, their state sharded as ``fo.state_shardings`` gives it.
+per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the update traced
+under the mesh as the context mesh (``jax.set_mesh``); ``--owner-layout`` sets their
+``owner_layout`` (default: each optimizer's own default; ``off``: every matrix's work
+where its shards are, as before the owner layout). ``--time N`` also runs each compiled
+update ``N`` times on random arrays on the CPU devices and prints its median time and
+ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
+check that the layout costs no time there, not a prediction for accelerators).
 """
 
 from __future__ import annotations
@@ -221,10 +229,12 @@ def layout_specs(params, layout: str, devices: int):
     if layout == "dp" or len(shape) < 2:
       return P()
     if layout == "fsdp":
-      big = max(range(len(shape)), key=lambda a: shape[a])
+      # the larger axis, else the other where the larger does not divide the devices
       entries = [None] * len(shape)
-      if shape[big] % fsdp == 0:
-        entries[big] = "fsdp"
+      for a in sorted(range(len(shape)), key=lambda a: -shape[a]):
+        if shape[a] % fsdp == 0:
+          entries[a] = "fsdp"
+          break
       return P(*entries)
     # fsdp_tp: Megatron column/row parallel on "tensor", FSDP on the other axis
     if any(n in key for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")):
@@ -248,16 +258,48 @@ def make_mesh(layout: str, devices: int):
   return Mesh(devs, ("fsdp",))
 
 
-def build(name: str, preset: str):
+OWNER = {"default": None, "on": True, "off": False}
+
+
+def build(name: str, preset: str, owner: str = "default"):
   """The LLaMA example's optimizer ``name`` for ``preset`` (``muon`` is
   ``optax.contrib.muon``, ``fo_muon`` the library's), the library's in the per-leaf
-  layout (``stack_matrices=False``)."""
+  layout (``stack_matrices=False``) with ``owner_layout`` as ``owner`` says (``default``:
+  the optimizer's own default)."""
   from benchmarks import step_time
-  kw = dict(stack_matrices=False) if step_time._ours(name) else {}
+  kw = {}
+  if step_time._ours(name):
+    kw = dict(stack_matrices=False)
+    if OWNER[owner] is not None:
+      kw["owner_layout"] = OWNER[owner]
   return step_time.build(name, preset, 1e-3, **kw)
 
 
-def measure(name: str, preset: str, layout: str, devices: int) -> dict:
+def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
+  """Median seconds of one run of the compiled update on random arrays laid out as its
+  inputs (after two warm-up runs)."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  key = iter(jax.random.split(jax.random.PRNGKey(0), 4096))
+  real = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.device_put(jax.random.normal(next(key), x.shape, jnp.float32)
+                                  .astype(x.dtype) * 0.02
+                                  if jnp.issubdtype(x.dtype, jnp.floating)
+                                  else jnp.zeros(x.shape, x.dtype), s), t, sh)
+  g, st, p = real(params, p_sh), real(state, s_sh), real(params, p_sh)
+  times = []
+  for i in range(repeats + 2):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(g, st, p))
+    if i >= 2:
+      times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
+            repeats: int = 0) -> dict:
   """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
   collectives, temporary memory, each also as a ratio to the parameter bytes."""
   import jax
@@ -268,7 +310,7 @@ def measure(name: str, preset: str, layout: str, devices: int) -> dict:
   params, _ = step_time.abstract_params(preset)
   mesh = make_mesh(layout, devices)
   specs = layout_specs(params, layout, devices)
-  tx = build(name, preset)
+  tx = build(name, preset, owner)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   s_sh = fo.state_shardings(tx, params, specs, mesh)
@@ -276,15 +318,18 @@ def measure(name: str, preset: str, layout: str, devices: int) -> dict:
   with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
   step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
-  compiled = step.lower(with_sh(params, p_sh), with_sh(state, s_sh),
-                        with_sh(params, p_sh)).compile()
+  with jax.set_mesh(mesh):  # the context mesh, as a sharded program runs
+    compiled = step.lower(with_sh(params, p_sh), with_sh(state, s_sh),
+                          with_sh(params, p_sh)).compile()
   text = compiled.as_text()
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   ordinary, unknown = traffic(text, devices, refresh=False)
   refresh, _ = traffic(text, devices, refresh=True)
   temp = compiled.memory_analysis().temp_size_in_bytes
+  seconds = (time_update(compiled, params, state, p_sh, s_sh, repeats) if repeats
+             else None)
   return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
-              param_bytes=param_bytes,
+              owner_layout=owner, param_bytes=param_bytes, update_seconds=seconds,
               ordinary_bytes=ordinary.total, refresh_bytes=refresh.total,
               ordinary_ratio=ordinary.total / param_bytes,
               refresh_ratio=refresh.total / param_bytes,
@@ -339,7 +384,8 @@ def measure_train_step(preset: str, layout: str, devices: int) -> dict:
               temp_ratio=compiled.memory_analysis().temp_size_in_bytes / param_bytes)
 
 
-DEFAULT = ("adam", "racs", "galore", "alice", "soap", "eigen_adam", "shampoo", "fo_muon",
+DEFAULT = ("adam", "racs", "galore", "fira", "alice", "alice0", "alice_soap", "apollo",
+           "apollo_mini", "soap", "eigen_adam", "shampoo", "fo_muon", "swan", "dion",
            "normuon", "muon")
 
 
@@ -349,6 +395,11 @@ def main(argv=None):
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "dp"))
   ap.add_argument("--optimizers", default=",".join(DEFAULT))
+  ap.add_argument("--owner-layout", default="default", choices=tuple(OWNER),
+                  help="the library's owner_layout: each optimizer's default, on or off")
+  ap.add_argument("--time", type=int, default=0, metavar="N",
+                  help="also run each compiled update N times on random arrays (median "
+                       "seconds, and the ratio to optax.adam's in this process)")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
@@ -358,21 +409,30 @@ def main(argv=None):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, str(ROOT))
   rows = []
-  print(f"{args.preset}, {args.layout}, {args.devices} devices: bytes sent per device per "
-        "update / parameter bytes")
+  print(f"{args.preset}, {args.layout}, {args.devices} devices, owner layout "
+        f"{args.owner_layout}: bytes sent per device per update / parameter bytes")
   print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7}")
   names = args.optimizers.split(",")
+  if args.time and "adam" not in names:
+    names = ["adam"] + names  # the yardstick of the time ratios
   if args.layout != "dp" and not args.no_train_step:
     names = ["train_step"] + names
   for name in names:
     r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
-         else measure(name, args.preset, args.layout, args.devices))
+         else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
+                      args.time))
     name = "train step" if name == "train_step" else name
     rows.append(r)
+    timed = ""
+    if r.get("update_seconds") is not None:
+      adam = next((q["update_seconds"] for q in rows if q["optimizer"] == "adam"), None)
+      r["time_ratio_to_adam"] = r["update_seconds"] / adam if adam else None
+      timed = f"  {r['update_seconds'] * 1e3:8.2f} ms" + (
+          f" {r['time_ratio_to_adam']:6.2f}x adam" if adam else "")
     print(f"{name:<12} {r['ordinary_ratio']:>8.3f}x {r['refresh_ratio']:>8.3f}x "
           f"{r['ordinary_collectives']:>5} / {r['refresh_collectives']:<5} "
-          f"{r['temp_ratio']:>6.2f}x" + ("  *" if r.get("loops_without_trip_count") else ""),
-          flush=True)
+          f"{r['temp_ratio']:>6.2f}x" + ("  *" if r.get("loops_without_trip_count") else "")
+          + timed, flush=True)
   if any(r.get("loops_without_trip_count") for r in rows):
     print("* a loop with a run-time trip count, counted once: the figure is a lower bound")
   if args.json:

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from fisher_optax.grouping import shared, vmap_batch
+from fisher_optax.parallel import owners
+from fisher_optax.grouping import map_grouped, shared, vmap_batch
 from fisher_optax.matrices import DimsSpec, MatrixView, matrix_view
 from fisher_optax.model_dims import resolve_dims
 
@@ -118,11 +119,20 @@ class Lifted:
 
 
 def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, dims: DimsSpec,
-                  *, side: Optional[str] = None, what: str) -> Any:
+                  *, side: Optional[str] = None, what: str, whole: bool = False) -> Any:
   """Applies ``fn(matrix_f32, view)`` (written for one canonical ``m x n`` matrix) to every
   leaf: canonical float32 layout, ``vmap`` over batch axes, back to the leaf's layout,
-  cast (saturating) to the leaf's dtype. For stateless per-matrix blocks."""
+  cast (saturating) to the leaf's dtype. For stateless per-matrix blocks.
+
+  ``whole``: ``fn`` is whole-matrix work that does not read its view (whitening); under
+  the owner layout (:mod:`fisher_optax.parallel.owners`) the matrices of every leaf of one shape
+  run together, each on its owner (:func:`fisher_optax.grouping.map_grouped`)."""
   lifted = Lifted(tree, dims, side=side, what=what, canonical=True)
+  if whole and owners.active() is not None:
+    flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
+    outs = map_grouped(lambda x: fn(x, None), [(g,) for g in flat])
+    return lifted.to_leaves([o.reshape(g.shape)
+                             for o, g in zip(outs, lifted.canonical_grads)])
   one = shared(lambda m, v: vmap_batch(lambda x: fn(x, v), len(v.batch_shape))(m),
                static_argnums=1)
   return lifted.to_leaves([one(g, v) for v, g in zip(lifted.views, lifted.canonical_grads)])

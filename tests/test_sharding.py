@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from tests import registry
+from tests import util
 from tests.util import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,33 +45,12 @@ def _grads(t):
 
 
 def _run(tx, steps, mesh=None, params=None, state=None, start=0):
-  params = _params() if params is None else params
-  if mesh is None:
-    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g))
-    state = tx.init(params) if state is None else state
-  else:
-    p_sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
-    s_sh = fo.state_shardings(tx, params, SPECS, mesh)
-    params = jax.device_put(params, p_sh)
-    state = jax.jit(tx.init, out_shardings=s_sh)(params) if state is None else \
-        jax.device_put(state, s_sh)
-    step = jax.jit(lambda p, s, g: _apply(tx, p, s, g), in_shardings=(p_sh, s_sh, p_sh),
-                   out_shardings=(p_sh, s_sh))
-  for t in range(start, start + steps):
-    g = _grads(t)
-    if mesh is not None:
-      g = jax.device_put(g, {k: NamedSharding(mesh, v) for k, v in SPECS.items()})
-    params, state = step(params, state, g)
-  return params, state
+  return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
+                          mesh, state, start)
 
 
 def _close_updates(got, want, what, tol=1e-3):
-  """Relative to the total parameter change: float32 reductions run in another order."""
-  p0 = _params()
-  for k in PARAMS:
-    d_want = np.asarray(want[k], np.float64) - np.asarray(p0[k], np.float64)
-    err = np.linalg.norm(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64))
-    assert err <= tol * np.linalg.norm(d_want), (what, k, err / np.linalg.norm(d_want))
+  util.assert_close_change(got, want, _params(), what, tol)
 
 
 def _apply(tx, p, s, g):
@@ -246,9 +226,11 @@ def _free_port():
 
 
 @pytest.mark.slow  # ~100 s on 2 cores; run with `python -m pytest -q -m slow`
-def test_two_process_llama_matches_single_process(tmp_path):
-  """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices."""
-  common = ["--preset", "tiny", "--optimizer", "alice", "--steps", "4", "--eval-every", "2",
+@pytest.mark.parametrize("optimizer", ["alice", pytest.param("galore", marks=pytest.mark.slow)])
+def test_two_process_llama_matches_single_process(tmp_path, optimizer):
+  """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices; GaLore's
+  refreshes in the owner layout (on by default under the example's context mesh)."""
+  common = ["--preset", "tiny", "--optimizer", optimizer, "--steps", "4", "--eval-every", "2",
             "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "0",
             "--mesh", "2,2,2"]

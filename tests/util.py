@@ -130,3 +130,42 @@ def grads_at(params, t):
   return jax.tree.map(
       lambda p: jax.random.normal(jax.random.PRNGKey(t), p.shape, jnp.float32).astype(p.dtype),
       params)
+
+
+def run_sharded(tx, params, grads, specs, steps, mesh=None, state=None, start=0):
+  """``steps`` jitted steps of ``tx`` from ``params`` (``grads(t)``: the gradients of step
+  ``t``); with a ``mesh``, the parameters, gradients and state laid out by ``specs`` and
+  ``fo.state_shardings``, which the step's outputs keep. Returns the parameters and
+  state."""
+  import optax
+  from jax.sharding import NamedSharding
+
+  def apply(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  if mesh is None:
+    step = jax.jit(apply)
+    state = tx.init(params) if state is None else state
+    place = lambda g: g  # noqa: E731
+  else:
+    p_sh = jax.tree.map(lambda v: NamedSharding(mesh, v), specs,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    params = jax.device_put(params, p_sh)
+    state = (jax.jit(tx.init, out_shardings=s_sh)(params) if state is None
+             else jax.device_put(state, s_sh))
+    step = jax.jit(apply, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    place = lambda g: jax.device_put(g, p_sh)  # noqa: E731
+  for t in range(start, start + steps):
+    params, state = step(params, state, place(grads(t)))
+  return params, state
+
+
+def assert_close_change(got, want, start, what, tol=1e-3):
+  """Each leaf of ``got`` within ``tol`` of ``want`` relative to the change of ``want``
+  from ``start`` (trees of arrays): sharded float32 reductions run in another order."""
+  for k in want:
+    d = np.asarray(want[k], np.float64) - np.asarray(start[k], np.float64)
+    err = np.linalg.norm(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64))
+    assert err <= tol * np.linalg.norm(d), (what, k, err / np.linalg.norm(d))

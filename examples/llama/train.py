@@ -13,6 +13,7 @@ continues from the latest one). Learning rate: 10% linear warm-up, then cosine d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -159,14 +160,17 @@ def init_params(setup: Setup, seed: int, shardings=None):
   return jax.jit(f, out_shardings=shardings)()
 
 
-def make_steps(setup: Setup):
+def make_steps(setup: Setup, shardings=None):
+  """The jitted train and eval steps; ``shardings``: ``(params, optimizer state)``
+  shardings that the train step's outputs keep (as the inputs': one compiled step)."""
   graphdef, tx = setup.graphdef, setup.tx
+  out = None if shardings is None else (*shardings, None)
 
   def loss_fn(params, x, y):
     logits = nnx.merge(graphdef, params)(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out)
   def train_step(params, opt_state, xs, ys):
     """``xs, ys``: [grad_accum, micro_batch, T]; gradients averaged over micro-batches."""
     def micro(acc, xy):
@@ -262,7 +266,7 @@ def run(args, *, log=print) -> dict:
     batch_sh = NamedSharding(mesh, P(None, "data", None))
   params = init_params(setup, args.seed, p_sh)
   opt_state = jax.jit(setup.tx.init, out_shardings=s_sh)(params)
-  train_step, eval_loss = make_steps(setup)
+  train_step, eval_loss = make_steps(setup, None if mesh is None else (p_sh, s_sh))
 
   def to_device(x):
     x = np.asarray(x, np.int32)
@@ -323,7 +327,10 @@ def run(args, *, log=print) -> dict:
   # compile ahead of time so that timings (tokens/s, wall_s) are pure step time
   x0 = to_device(np.zeros((args.grad_accum, micro, ctx), np.int32))
   t0 = time.perf_counter()
-  train_step = train_step.lower(params, opt_state, x0, x0).compile()
+  # traced under the mesh as the context mesh (jax.set_mesh), as a sharded JAX program is
+  # run: the optimizers' owner layout reads it
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    train_step = train_step.lower(params, opt_state, x0, x0).compile()
   compile_s = time.perf_counter() - t0
   log(f"{args.optimizer}: compiled the train step in {compile_s:.1f} s; "
       f"model {cfg.num_params() / 1e6:.2f}M params, optimizer state "

@@ -12,7 +12,7 @@ import jax
 import optax
 
 from fisher_optax import matrices, model_dims, routing, stacking, validation
-from fisher_optax.parallel import explicit_axes
+from fisher_optax.parallel import explicit_axes, owners
 
 
 # Arguments that are never schedules: optax.inject_hyperparams takes any callable for one,
@@ -75,6 +75,20 @@ _COMMON_ARGS = """\
       ``ValueError`` that says which ``stack_matrices`` continues it;
       :func:`fisher_optax.convert_state_layout` converts it.
       Matrices that draw random numbers (switching, APOLLO) get other draws.
+    owner_layout: where whole-matrix work runs under a mesh that shards the matrices
+      (:func:`fisher_optax.owner_layout`): ``"auto"``, ``True``, ``False``, a
+      ``jax.sharding.Mesh`` or a :class:`~fisher_optax.OwnerLayout` (e.g. bfloat16
+      transport). On, the matrices that one Newton--Schulz iteration or refresh
+      decomposition serves are handed out whole to owner devices (one all-to-all there
+      and one back), each owner computes its own, and no device gathers a matrix; the
+      update is the same and the state untouched. ``"auto"`` uses the context mesh
+      (``jax.set_mesh``) when it has several devices, unless its axes are
+      ``Explicit`` and the gradients are replicated; ``True`` the context mesh always; a
+      mesh that mesh (for a ``jax.jit`` with shardings and no context mesh). Default
+      ``"auto"`` where it was measured to send less (Muon, NorMuon, SWAN, GaLore, Fira,
+      Alice-0, APOLLO, APOLLO-mini), ``False`` elsewhere (docs: "Sharding and
+      multi-host training", Communication). Give the jitted step ``out_shardings`` for
+      the state (``fo.state_shardings``) so that it keeps its layout from step to step.
     fallback: transformation for the other leaves (default
       ``optax.adam(fallback_learning_rate)`` run in float32), e.g.
       ``optax.adamw(lr, weight_decay=0.1)``.
@@ -129,10 +143,11 @@ def _ex(call: str) -> str:
 
 def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dims, fallback,
             weight_decay=None, *, name: str = "structured", rank: Optional[int] = None,
-            stack: Union[bool, str] = False, fallback_lr=None):
+            stack: Union[bool, str] = False, fallback_lr=None, owner=False):
   """Closes a chain: ``blocks(block_dims)``, decoupled weight decay on the structured
   leaves, then the step size; then the optional stacked layout, ``Auto`` axes under an
-  ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`) and the routing of leaves.
+  ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`), the owner layout
+  (``owner``, :func:`fisher_optax.owner_layout`) and the routing of leaves.
 
   ``blocks`` builds the optimizer's blocks for the matrix axes they see: the leaves'
   own ``dims``, or under ``stack`` (``stack_matrices=True``) the ``(k, fan_in,
@@ -158,8 +173,9 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
                            optax.scale_by_learning_rate(learning_rate))
   if stack:
     structured = stacking.stack_matrices(structured, dims=dims)
-  # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes
-  structured = explicit_axes.with_auto_axes(structured)
+  # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes;
+  # the owner layout reads the explicit axes first (a replicated tree keeps its layout)
+  structured = owners.owner_layout(explicit_axes.with_auto_axes(structured), owner)
   if fallback is not None and fallback_lr is not None:
     raise ValueError(f"fo.{name}: give fallback= or fallback_learning_rate=, not both (the "
                      "learning rate is part of the fallback transformation you pass)")

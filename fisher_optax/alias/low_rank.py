@@ -52,6 +52,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
           dims: matrices.DimsSpec = None,
           stack_matrices: Union[bool, str] = "auto",
+          owner_layout: Any = False,
           fallback: Optional[optax.GradientTransformation] = None,
           fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:
@@ -103,7 +104,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="alice", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, name="alice", rank=rank)
 
 
 @named('alice0(1e-2, rank=4, leading=1)', static_args=('rank', 'leading'))
@@ -114,6 +115,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
+           owner_layout: Any = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
            fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
            state_dtype=None) -> optax.GradientTransformationExtraArgs:
@@ -153,7 +155,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="alice0", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, name="alice0", rank=rank)
 
 
 @named('alice_soap(1e-2, rank=4, leading=1)', static_args=('rank', 'right_rank', 'leading'))
@@ -166,6 +168,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
+               owner_layout: Any = False,
                fallback: Optional[optax.GradientTransformation] = None,
                fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
@@ -242,7 +245,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="alice_soap", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, name="alice_soap", rank=rank)
 
 
 @named('dion(1e-2, rank=0.5)', static_args=('rank',))
@@ -251,6 +254,7 @@ def dion(learning_rate: optax.ScalarOrSchedule, *, rank: Union[int, float] = 0.2
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = False,
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
          state_dtype=None) -> optax.GradientTransformationExtraArgs:
@@ -301,5 +305,5 @@ def dion(learning_rate: optax.ScalarOrSchedule, *, rank: Union[int, float] = 0.2
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                 fallback_lr=fallback_learning_rate,
-                stack=stack_matrices, name="dion", rank=rank)
+                stack=stack_matrices, owner=owner_layout, name="dion", rank=rank)
 

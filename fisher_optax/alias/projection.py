@@ -31,6 +31,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
+           owner_layout: Any = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
            fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
            state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
@@ -67,7 +68,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="galore",
+                 stack=stack_matrices, owner=owner_layout, name="galore",
                  rank=rank)
 
 
@@ -78,6 +79,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
          state_dtype=None, refresh: Any = None) -> optax.GradientTransformationExtraArgs:
@@ -116,12 +118,13 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="fira",
+                 stack=stack_matrices, owner=owner_layout, name="fira",
                  rank=rank)
 
 
 def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter, seed, mask,
-            dims, stack_matrices, fallback, weight_decay, fallback_learning_rate):
+            dims, stack_matrices, owner_layout, fallback, weight_decay,
+            fallback_learning_rate):
   validation.check_range("scale", scale, low=0.0, high=float("inf"))  # used here: sqrt
   def blocks(bd):
     project = random_project(rank=rank, interval=interval, seed=seed, dims=bd)
@@ -134,7 +137,7 @@ def _apollo(learning_rate, *, rank, interval, scale, kind, b1, b2, eps, limiter,
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
                  name="apollo" if kind == "channel" else "apollo_mini", rank=rank,
-                 stack=stack_matrices)
+                 stack=stack_matrices, owner=owner_layout)
 
 
 @named('apollo(1e-2, rank=4)', static_args=('rank',))
@@ -144,6 +147,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
            weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
            dims: matrices.DimsSpec = None,
            stack_matrices: Union[bool, str] = "auto",
+           owner_layout: Any = "auto",
            fallback: Optional[optax.GradientTransformation] = None,
            fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
            ) -> optax.GradientTransformationExtraArgs:
@@ -171,7 +175,7 @@ def apollo(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
   """
   return _apollo(learning_rate, rank=rank, interval=interval, scale=scale, kind="channel",
                  b1=b1, b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
-                 stack_matrices=stack_matrices,
+                 stack_matrices=stack_matrices, owner_layout=owner_layout,
                  fallback=fallback, weight_decay=weight_decay,
                  fallback_learning_rate=fallback_learning_rate)
 
@@ -183,6 +187,7 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
                 weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                 dims: matrices.DimsSpec = None,
                 stack_matrices: Union[bool, str] = "auto",
+                owner_layout: Any = "auto",
                 fallback: Optional[optax.GradientTransformation] = None,
                 fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
                 ) -> optax.GradientTransformationExtraArgs:
@@ -207,6 +212,6 @@ def apollo_mini(learning_rate: optax.ScalarOrSchedule, *, interval: int = 200,
   """
   return _apollo(learning_rate, rank=1, interval=interval, scale=scale, kind="tensor", b1=b1,
                  b2=b2, eps=eps, limiter=limiter, seed=seed, mask=mask, dims=dims,
-                 stack_matrices=stack_matrices,
+                 stack_matrices=stack_matrices, owner_layout=owner_layout,
                  fallback=fallback, weight_decay=weight_decay,
                  fallback_learning_rate=fallback_learning_rate)

@@ -17,6 +17,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
+               owner_layout: Any = False,
                fallback: Optional[optax.GradientTransformation] = None,
                fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
                ) -> optax.GradientTransformationExtraArgs:
@@ -59,7 +60,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="eigen_adam")
+                 stack=stack_matrices, owner=owner_layout, name="eigen_adam")
 
 
 @named('soap(1e-3, precondition_frequency=2)',
@@ -70,6 +71,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = False,
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
@@ -109,7 +111,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="soap")
+                 stack=stack_matrices, owner=owner_layout, name="soap")
 
 
 @named('shampoo(1e-3, interval=2)', static_args=('max_precond_dim', 'refresh'))
@@ -118,6 +120,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
             weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
             stack_matrices: Union[bool, str] = "auto",
+            owner_layout: Any = False,
             fallback: Optional[optax.GradientTransformation] = None,
             fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
             ) -> optax.GradientTransformationExtraArgs:
@@ -159,7 +162,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="shampoo")
+                 stack=stack_matrices, owner=owner_layout, name="shampoo")
 
 
 def _precond_limit(max_precond_dim):

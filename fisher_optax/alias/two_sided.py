@@ -15,6 +15,7 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = False,
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
@@ -49,4 +50,4 @@ def racs(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.9, alpha: flo
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="racs")
+                 stack=stack_matrices, owner=owner_layout, name="racs")

@@ -17,6 +17,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
@@ -49,7 +50,7 @@ def swan(learning_rate: optax.ScalarOrSchedule, *, steps: int = 5,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="swan")
+                 stack=stack_matrices, owner=owner_layout, name="swan")
 
 
 @named('muon(1e-3)', static_args=('steps',))
@@ -58,6 +59,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
          eps: float = 1e-8, weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
+         owner_layout: Any = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
@@ -92,7 +94,7 @@ def muon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, nesterov:
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="muon")
+                 stack=stack_matrices, owner=owner_layout, name="muon")
 
 
 @named('normuon(1e-2)', static_args=('steps',))
@@ -102,6 +104,7 @@ def normuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: fl
             weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
             stack_matrices: Union[bool, str] = "auto",
+            owner_layout: Any = "auto",
             fallback: Optional[optax.GradientTransformation] = None,
             fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
             ) -> optax.GradientTransformationExtraArgs:
@@ -145,4 +148,4 @@ def normuon(learning_rate: optax.ScalarOrSchedule, *, beta: float = 0.95, b2: fl
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, name="normuon")
+                 stack=stack_matrices, owner=owner_layout, name="normuon")

@@ -109,7 +109,7 @@ def whiten(*, method: str = "newton_schulz", coeffs: Sequence[float] = MUON_COEF
   def update_fn(updates, state, params=None):
     del params
     return lifting.map_stateless(per_matrix, updates, dims, side="smaller",
-                                  what="whiten"), state
+                                  what="whiten", whole=True), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 

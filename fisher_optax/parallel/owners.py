@@ -1,0 +1,310 @@
+"""The owner layout: whole-matrix work on the device that owns the matrix.
+
+Under ``jax.jit`` with matrices sharded over a mesh (FSDP, tensor parallelism), GSPMD
+partitions every product, Newton--Schulz iteration, eigh and QR of a sharded matrix on
+its own, with collectives inside the loops, and gathers whole matrices onto every device
+for the decompositions. In the owner layout the matrices that one whole-matrix function
+serves (a stack of same-shape matrices, :func:`fisher_optax.grouping.map_grouped`) are
+handed out along their stack axis: matrix ``j`` of a stack of ``k`` (padded to a multiple
+of the device count ``P`` with copies of the last one) lives whole on device
+``j // ceil(k / P)``. One resharding brings each matrix to its owner (an all-to-all:
+each device sends the ``1/P`` slice it holds of every matrix it does not own), the owner
+runs the function on its whole local matrices with no collective
+(``jax.shard_map``), and one resharding takes the results back. What each device sends
+per function is then about ``2/P`` of the matrices' bytes, falling with the device count.
+
+The layout is a placement: every matrix gets the function it gets on one device (tests
+compare with single-device runs). :func:`owner_layout` turns it on for an optimizer's
+update; :func:`map_whole` is what a block's whole-matrix function calls through.
+
+Mesh: the one given to :func:`owner_layout`, else the context mesh of
+``jax.set_mesh`` / ``jax.sharding.use_mesh`` (the ``Auto`` view that
+:func:`fisher_optax.with_auto_axes` gives an ``Explicit`` mesh included). Without a mesh
+of more than one device nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerLayout:
+  """The owner layout's settings, for ``owner_layout=`` of a named optimizer or
+  :func:`owner_layout`.
+
+  Attributes:
+    mesh: the mesh whose devices own the matrices; ``None``: the context mesh
+      (``jax.set_mesh``) at trace time.
+    transport_dtype: the dtype matrices travel in to and from their owners (e.g.
+      ``jnp.bfloat16``, as Moonlight sends Muon's gradients: half the bytes); the
+      owners compute in float32 all the same. ``None``: the matrices' own dtype (float32
+      inside the blocks).
+    replicated: also on when the gradients are visibly replicated (``Explicit`` mesh
+      axes and no leaf sharded over them); by default off there, since gathering the
+      results back to every device would send more than computing everywhere.
+  """
+  mesh: Any = None
+  transport_dtype: Any = None
+  replicated: bool = False
+
+
+class _Active(NamedTuple):
+  mesh: Any
+  transport_dtype: Any
+
+
+# The owner layout of the update being traced (None: off).
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_owner_layout",
+                                                         default=None)
+
+
+def active() -> Optional[Any]:
+  """The mesh the owner layout uses in the update being traced, or ``None``."""
+  on = _ACTIVE.get()
+  return None if on is None else on.mesh
+
+
+@contextlib.contextmanager
+def using(mesh: Optional[Any], transport_dtype: Any = None):
+  """Traces the body with the owner layout on ``mesh`` (``None``: off)."""
+  token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def _mesh_size(mesh) -> int:
+  return math.prod(mesh.shape.values()) if mesh is not None else 1
+
+
+def _sharded(tree: Any, mesh) -> bool:
+  """Whether any leaf of ``tree`` is sharded over an ``Explicit`` axis of ``mesh`` (read
+  from its type); ``True`` when no leaf's type says (``Auto`` axes, where sharding is
+  XLA's choice and not visible while tracing)."""
+  explicit = set(getattr(mesh, "explicit_axes", ()) or ())
+  if not explicit:
+    return True
+  for x in jax.tree.leaves(tree):
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None:
+      continue
+    for entry in spec:
+      names = entry if isinstance(entry, tuple) else (entry,)
+      if any(n in explicit for n in names if n is not None):
+        return True
+  return False
+
+
+def as_layout(setting: Any) -> Optional[OwnerLayout]:
+  """``owner_layout=setting`` as an :class:`OwnerLayout` (``None``: off): ``"auto"`` is
+  ``OwnerLayout()``, ``True`` ``OwnerLayout(replicated=True)``, a mesh
+  ``OwnerLayout(mesh)``. Anything else raises a ``ValueError`` naming the values."""
+  if isinstance(setting, OwnerLayout):
+    return setting
+  if setting is False:
+    return None
+  if setting is True:
+    return OwnerLayout(replicated=True)
+  if isinstance(setting, str) and setting == AUTO:
+    return OwnerLayout()
+  if isinstance(setting, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    return OwnerLayout(mesh=setting)
+  raise ValueError("`owner_layout` must be True, False, 'auto', a jax.sharding.Mesh or a "
+                   f"fo.OwnerLayout, got {setting!r}")
+
+
+def resolve_mesh(layout: Optional[OwnerLayout], updates: Any) -> Optional[Any]:
+  """The mesh ``layout`` uses for ``updates`` (traced now), or ``None``: its own mesh,
+  else the context mesh; none where that is absent or of one device, or (unless
+  ``layout.replicated``) where its axes are ``Explicit`` and no leaf of ``updates`` is
+  sharded over them (replicated data parallelism)."""
+  if layout is None:
+    return None
+  mesh = layout.mesh
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return None
+    if not layout.replicated and not _sharded(updates, mesh):
+      return None
+  return mesh if _mesh_size(mesh) > 1 else None
+
+
+def owner_layout(tx, setting: Any = AUTO):
+  """``tx`` with its whole-matrix work on the matrices' owner devices.
+
+  Every whole-matrix function that ``tx``'s blocks run through :func:`map_whole`
+  (Newton--Schulz, the refreshes' decompositions) runs, while ``update`` is traced, on
+  the matrices' owners of the mesh :func:`resolve_mesh` picks. ``init`` and the state are
+  ``tx``'s: the layout moves matrices within one update, never the state, so checkpoints,
+  ``fo.state_shardings`` and ``fo.describe`` are those of ``tx``. The named optimizers
+  apply it (their ``owner_layout=``); a chain of blocks built by hand takes it as
+  ``fo.owner_layout(optax.chain(...))``.
+
+  Args:
+    tx: any optax transformation.
+    setting: ``"auto"`` (the context mesh when it has several devices and, on
+      ``Explicit`` axes, when the gradients are sharded), ``True`` (the context mesh),
+      ``False`` (off: ``tx`` itself), a ``jax.sharding.Mesh`` (that mesh, e.g. for a
+      ``jax.jit`` with shardings and no context mesh) or an :class:`OwnerLayout`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``.
+  """
+  import optax  # here, not at module level: this module sits below the blocks
+  layout = as_layout(setting)
+  tx = optax.with_extra_args_support(tx)
+  if layout is None:
+    return tx
+
+  def update_fn(updates, state, params=None, **extra):
+    with using(resolve_mesh(layout, updates), layout.transport_dtype):
+      return tx.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _matrix_split(shape: tuple, mesh) -> Optional[list]:
+  """How a stack ``(k, ..., m, n)`` enters and leaves the owners: ``[(array axis, mesh
+  axis), ...]``, the mesh axes that split its matrix axes outside the owners (``None``:
+  it moves split over its stack axis alone, as XLA chooses).
+
+  The parameters' own split is not visible while tracing on ``Auto`` axes, so this is a
+  guess that XLA corrects matrix to matrix where it is wrong: on a mesh of one axis,
+  FSDP's (the larger side, the columns of a canonical matrix; the rows of a square one);
+  on a mesh
+  of several, Megatron's column-parallel layout (the last mesh axis on the columns, the
+  others on the rows)."""
+  if len(shape) < 3:
+    return None
+  m_axis, n_axis = len(shape) - 2, len(shape) - 1
+  names = tuple(mesh.axis_names)
+  if len(names) == 1:
+    size = mesh.shape[names[0]]
+    # a square matrix is split on its first axis (the first of two equal largest axes)
+    for a in ((m_axis, n_axis) if shape[m_axis] == shape[n_axis] else (n_axis, m_axis)):
+      if shape[a] % size == 0:
+        return [(a, names[0])]
+    return None
+  plan = [(m_axis, n) for n in names[:-1]] + [(n_axis, names[-1])]
+  need = {m_axis: math.prod(mesh.shape[n] for n in names[:-1]),
+          n_axis: mesh.shape[names[-1]]}
+  return plan if all(shape[a] % z == 0 for a, z in need.items()) else None
+
+
+def _entries(shape: tuple, split: Optional[list], axes: tuple) -> P:
+  """The ``PartitionSpec`` of a stack outside the owners (``split``) or, with ``split``
+  ``None``, of a stack split over its stack axis."""
+  if split is None:
+    return P(axes)
+  entries = [None] * len(shape)
+  for a, name in split:
+    entries[a] = name if entries[a] is None else (
+        (entries[a] if isinstance(entries[a], tuple) else (entries[a],)) + (name,))
+  return P(*entries)
+
+
+def _exchange(x, name):
+  """``all_to_all`` over mesh axis ``name`` of an array ``(F, ...)`` (``F`` its size):
+  slice ``j`` goes to device ``j``, and slice ``j`` of the result came from device ``j``.
+  Exchanged along the leading axis, every slice sent is contiguous (an all-to-all whose
+  split axis is inner and whose operand was transposed failed XLA:CPU's HLO verifier:
+  operand slices of one shape in different layouts)."""
+  return jax.lax.all_to_all(x, name, split_axis=0, concat_axis=0, tiled=True)
+
+
+def _to_owners(x, split):
+  """Inside ``shard_map``: a block split over matrix axes -> whole matrices, the stack
+  split over the mesh axes in order (one exchange per mesh axis): ``(k, .., m/F, ..)``
+  -> ``(F, k/F, .., m/F, ..)`` -> exchange (slice ``f`` now the ``f``-th piece of axis
+  ``a`` of the ``k/F`` matrices this device keeps) -> ``(k/F, .., m, ..)``."""
+  for a, name in split:
+    size = jax.lax.axis_size(name)
+    k = x.shape[0]
+    y = _exchange(x.reshape((size, k // size) + x.shape[1:]), name)
+    y = jnp.moveaxis(y, 0, a)  # (k/F, .., F, m/F, ..)
+    x = y.reshape(y.shape[:a] + (y.shape[a] * y.shape[a + 1],) + y.shape[a + 2:])
+  return x
+
+
+def _from_owners(x, split):
+  """The inverse of :func:`_to_owners`."""
+  for a, name in reversed(split):
+    size = jax.lax.axis_size(name)
+    y = x.reshape(x.shape[:a] + (size, x.shape[a] // size) + x.shape[a + 1:])
+    y = _exchange(jnp.moveaxis(y, a, 0), name)  # (F, k/F, .., m/F, ..)
+    x = y.reshape((y.shape[0] * y.shape[1],) + y.shape[2:])
+  return x
+
+
+def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
+              replicate: bool = False) -> Any:
+  """``local(fn, *args)`` (``fn`` over the stack axis of ``args``: arrays ``(k, ...)`` or
+  ``None``) with each matrix on its owner when the owner layout is on; otherwise
+  ``local(fn, *args)`` as it is.
+
+  The stack axis is padded to a multiple of the device count with copies of the last
+  matrix (real inputs, so that no padded slot meets a degenerate case). In
+  ``jax.shard_map`` over every mesh axis, one ``all_to_all`` per mesh axis turns each
+  device's slices of every matrix into whole matrices of its own (:func:`_matrix_split`
+  says from which split), ``local`` runs on them, and the inverse ``all_to_all`` s
+  return the results to that split, where cutting the padding is local. Floating arrays
+  travel in the layout's transport dtype, if it has one.
+
+  ``replicate``: the results are optimizer state (a refresh's new bases), gathered to
+  every device. Whatever layout the state has, taking it from a replicated result is
+  local; results returned split by a guess the state did not share made XLA move the
+  state at every step, refresh or not (the keep branch of the refresh's conditional has
+  to agree with the refresh branch)."""
+  on = _ACTIVE.get()
+  if on is None:
+    return local(fn, *args)
+  mesh, transport = on
+  size = _mesh_size(mesh)
+  k = next(a.shape[0] for a in args if a is not None)
+  pad = -k % size
+  padded = [None if a is None else
+            jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)], axis=0) if pad else a
+            for a in args]
+  axes = tuple(mesh.axis_names)
+  present = [i for i, a in enumerate(padded) if a is not None]
+  dtypes = [padded[i].dtype for i in present]
+  in_splits = [_matrix_split(padded[i].shape, mesh) for i in present]
+  shapes = jax.eval_shape(lambda *xs: local(fn, *xs), *padded)
+  out_leaves, out_tree = jax.tree.flatten(shapes)
+  out_splits = [None if replicate else _matrix_split(o.shape, mesh) for o in out_leaves]
+  # floating inputs travel in the transport dtype; the owners compute in their own
+  send = lambda x: (x.astype(transport) if transport is not None  # noqa: E731
+                    and jnp.issubdtype(x.dtype, jnp.floating) else x)
+
+  def body(*xs):
+    full = [None] * len(padded)
+    for i, x, d, sp in zip(present, xs, dtypes, in_splits):
+      full[i] = (x if sp is None else _to_owners(x, sp)).astype(d)
+    res = jax.tree.leaves(local(fn, *full))
+    if replicate:
+      return [jax.lax.all_gather(send(r), axes, axis=0, tiled=True) for r in res]
+    return [send(r) if sp is None else _from_owners(send(r), sp)
+            for r, sp in zip(res, out_splits)]
+
+  kw = {} if isinstance(mesh, jax.sharding.AbstractMesh) else dict(mesh=mesh)
+  out = jax.shard_map(
+      body, in_specs=tuple(_entries(padded[i].shape, sp, axes)
+                           for i, sp in zip(present, in_splits)),
+      out_specs=[P() if replicate else _entries(o.shape, sp, axes)
+                 for o, sp in zip(out_leaves, out_splits)],
+      check_vma=False, **kw)(*[send(padded[i]) for i in present])
+  return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
+                                       for y, o in zip(out, out_leaves)])

@@ -1,0 +1,225 @@
+"""The owner layout (``owner_layout=``): whole-matrix work on the matrices' owner devices
+gives the single-device updates, sends less, and changes nothing without a mesh that
+shards the matrices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fisher_optax as fo
+from benchmarks import collectives
+from fisher_optax.parallel import owners
+from tests import registry, util
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+
+# same-shape matrices: 8 + 1 of 16 x 32 (9: not a multiple of the 8 devices, padded),
+# 4 of 32 x 16, one square; every matrix split over both mesh axes
+PARAMS = {"stack": (8, 16, 32), "w": (16, 32), "t": (4, 32, 16), "sq": (16, 16), "b": (16,)}
+SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
+         "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"), "b": P("tensor")}
+DIMS = {"stack": fo.MatrixDims(), "w": fo.MatrixDims(), "t": fo.MatrixDims(),
+        "sq": fo.MatrixDims(), "b": None}
+ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice0", "apollo"]
+
+
+def _params():
+  return {k: jax.random.normal(jax.random.PRNGKey(i), s) * 0.1
+          for i, (k, s) in enumerate(PARAMS.items())}
+
+
+def _grads(t):
+  return {k: jax.random.normal(jax.random.PRNGKey(100 + 7 * t + i), s)
+          for i, (k, s) in enumerate(PARAMS.items())}
+
+
+def _tx(name, **kw):
+  return getattr(fo, name)(0.01, dims=DIMS, **{**registry.kwargs(name, dims=None), **kw})
+
+
+def _mesh(explicit=False):
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
+
+
+def _run(tx, steps, mesh=None, params=None, state=None, start=0):
+  return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
+                          mesh, state, start)
+
+
+def _close(got, want, what, tol=1e-3):
+  util.assert_close_change(got, want, _params(), what, tol)
+
+
+@pytest.mark.parametrize("name", registry.params(ON_BY_DEFAULT,
+                                                 default=["muon", "galore", "alice0"]))
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_owner_layout_gives_the_single_device_updates(name, explicit):
+  """4 steps (refreshes at 1 and 3 where the optimizer has them: interval 2) under ``jax.set_mesh``,
+  the owner layout on by default: the updates of one device; the parameters keep their
+  shardings."""
+  tx = _tx(name)
+  single, _ = _run(tx, 4)
+  mesh = _mesh(explicit)
+  with jax.set_mesh(mesh):
+    sharded, _ = _run(tx, 4, mesh)
+  _close(sharded, single, name)
+  spec = (jax.typeof(sharded["w"]).sharding.spec if explicit else sharded["w"].sharding.spec)
+  assert spec == SPECS["w"]
+
+
+def _compiled(tx, mesh, specs=SPECS, context=True, compile=True):
+  params = _params()
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
+  state = jax.eval_shape(tx.init, params)
+  shaped = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+  args = (shaped(params, p_sh), shaped(state, s_sh), shaped(params, p_sh))
+  text = lambda lowered: (lowered.compile() if compile else lowered).as_text()  # noqa: E731
+  if context:
+    with jax.set_mesh(mesh):
+      return text(step.lower(*args))
+  return text(step.lower(*args))
+
+
+@pytest.mark.parametrize("name", ["muon", "galore"])
+def test_owner_layout_sends_less_than_the_parameter_layout(name):
+  """Read from the compiled update (8 devices): each device sends fewer bytes on a refresh
+  step, in less than half as many collectives (Newton--Schulz and the refresh run with
+  none inside their loops). The LLaMA shapes' figures are in the docs' table."""
+  mesh = _mesh()
+  on, off = _compiled(_tx(name), mesh), _compiled(_tx(name, owner_layout=False), mesh)
+  sent_on = collectives.traffic(on, 8, refresh=True)[0]
+  sent_off = collectives.traffic(off, 8, refresh=True)[0]
+  assert sent_on.total < sent_off.total, (sent_on.total, sent_off.total)
+  assert sent_on.collectives < 0.5 * sent_off.collectives
+
+
+def test_a_mesh_given_to_the_optimizer_needs_no_context_mesh():
+  mesh = _mesh()
+  on = _compiled(_tx("muon", owner_layout=mesh), mesh, context=False)
+  off = _compiled(_tx("muon", owner_layout=False), mesh, context=False)
+  assert (collectives.traffic(on, 8, refresh=False)[0].total
+          < 0.5 * collectives.traffic(off, 8, refresh=False)[0].total)
+
+
+def test_nothing_changes_without_a_mesh_that_shards_the_matrices():
+  """No context mesh, and an ``Explicit`` mesh with replicated parameters (data
+  parallelism): the compiled update is the one with the owner layout off."""
+  mesh = _mesh()
+  assert _compiled(_tx("muon"), mesh, context=False, compile=False) == \
+      _compiled(_tx("muon", owner_layout=False), mesh, context=False, compile=False)
+  replicated = {k: P() for k in SPECS}
+  emesh = _mesh(explicit=True)
+  assert _compiled(_tx("muon"), emesh, replicated, compile=False) == \
+      _compiled(_tx("muon", owner_layout=False), emesh, replicated, compile=False)
+  params = _params()
+  one = jax.jit(_tx("muon").update).lower(params, _tx("muon").init(params), params)
+  off = jax.jit(_tx("muon", owner_layout=False).update).lower(
+      params, _tx("muon").init(params), params)
+  assert one.as_text() == off.as_text()
+
+
+def test_the_state_is_the_same_with_and_without_the_owner_layout():
+  params = _params()
+  on, off = _tx("galore").init(params), _tx("galore", owner_layout=False).init(params)
+  assert jax.tree.structure(on) == jax.tree.structure(off)
+  assert jax.tree.map(jnp.shape, on) == jax.tree.map(jnp.shape, off)
+
+
+def test_a_wrong_setting_is_an_error_that_names_the_values():
+  with pytest.raises(ValueError, match="True, False, .auto., a jax.sharding.Mesh or a"):
+    _tx("muon", owner_layout="on")
+
+
+def test_map_whole_pads_and_cuts_a_stack_that_the_devices_do_not_divide():
+  """5 matrices on 8 devices: padded with copies of the last, each computed by its owner,
+  cut back to 5; the same values as one device."""
+  mesh = _mesh()
+  x = jax.random.normal(jax.random.PRNGKey(0), (5, 8, 16))
+  fn = lambda a: a @ a.T  # noqa: E731
+  local = lambda f, a: jax.vmap(f)(a)  # noqa: E731
+  want = local(fn, x)
+  sharded = jax.device_put(x, NamedSharding(mesh, P(None, "fsdp", "tensor")))
+
+  @jax.jit
+  def run(a):
+    with owners.using(mesh):
+      return owners.map_whole(fn, [a], local)
+
+  got = run(sharded)
+  assert got.shape == (5, 8, 8)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_orbax_resume_onto_another_mesh_continues_the_owner_layout(tmp_path):
+  """GaLore (refreshes at steps 1 and 5) stopped mid-interval on the 4 x 2 mesh, saved
+  with orbax, restored onto a 2 x 2 mesh and onto one device: both continuations give
+  the uninterrupted single-device run, the refresh at step 5 in the owner layout of the
+  new mesh."""
+  from tests.test_sharding import _restore, _save
+  tx = _tx("galore", interval=4)
+  want, _ = _run(tx, 6)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    p2, s2 = _run(tx, 2, mesh)
+  _save(tmp_path / "ck", p2, s2)
+  small = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[:4],
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  p_sh = {k: NamedSharding(small, v) for k, v in SPECS.items()}
+  s_sh = fo.state_shardings(tx, p2, SPECS, small)
+  rp, rs = _restore(tmp_path / "ck", jax.device_put(p2, p_sh), jax.device_put(s2, s_sh))
+  with jax.set_mesh(small):
+    got, _ = _run(tx, 4, small, params=rp, state=rs, start=2)
+  _close(got, want, "4x2 -> 2x2")
+  one = lambda t: jax.tree.map(  # noqa: E731
+      lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), t)
+  rp1, rs1 = _restore(tmp_path / "ck", one(p2), one(s2))
+  got1, _ = _run(tx, 4, params=rp1, state=rs1, start=2)
+  _close(got1, want, "4x2 -> 1")
+
+
+def _updates_on_mesh(tx, shape, grads, mesh, spec):
+  """Per-step updates of ``tx`` on one leaf of ``shape`` laid out as ``spec`` (float64)."""
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  sh = {"w": NamedSharding(mesh, spec)}
+  s_sh = fo.state_shardings(tx, params, {"w": spec}, mesh)
+  state = jax.jit(tx.init, out_shardings=s_sh)(jax.device_put(params, sh))
+  with jax.set_mesh(mesh):
+    step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
+    step = step.lower(params, state, params).compile()
+  out = []
+  for g in grads:
+    u, state = step(jax.device_put({"w": jnp.asarray(g, jnp.float32)}, sh), state,
+                    jax.device_put(params, sh))
+    out.append(np.asarray(u["w"], np.float64))
+  return out
+
+
+# bfloat16 bases (GaLore's refresh results) leave the reference far behind: a bound of 1
+@pytest.mark.parametrize("name,bound", [("galore", 1.0), ("normuon", 1e-2)])
+def test_bfloat16_transport_against_the_float64_reference(name, bound):
+  """16 matrices 8 x 24 (two per device), 7 steps, refreshes at 1, 4 and 7: the largest
+  relative error of an update against the dense float64 reference, with the matrices
+  sent to and from their owners in float32 (the default) and in bfloat16. Printed with
+  ``-s``; the docs quote it."""
+  shape = (16, 8, 24)
+  grads = util.structured_grads(shape, 7, seed=1)
+  kw = registry.WITH_REFERENCE[name]
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = _mesh()
+  errors = {}
+  for label, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
+    tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw,
+                           owner_layout=fo.OwnerLayout(transport_dtype=dtype))
+    got = _updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", "tensor"))
+    errors[label] = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  print(f"\n{name}: largest relative error against float64, transport float32 "
+        f"{errors['float32']:.1e}, bfloat16 {errors['bfloat16']:.1e}")
+  assert errors["float32"] < 1e-4, errors
+  assert errors["float32"] < errors["bfloat16"] < bound, errors
