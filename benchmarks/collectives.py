@@ -276,8 +276,9 @@ def build(name: str, preset: str, owner: str = "default"):
 
 
 def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
-  """Median seconds of one run of the compiled update on random arrays laid out as its
-  inputs (after two warm-up runs)."""
+  """Median seconds of one ordinary step of the compiled update on random arrays laid out
+  as its inputs: the state carried from step to step, from a step count of zero (the
+  first step, a refresh, among the two warm-up runs)."""
   import time
   import jax
   import jax.numpy as jnp
@@ -292,7 +293,7 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
   times = []
   for i in range(repeats + 2):
     t0 = time.perf_counter()
-    jax.block_until_ready(compiled(g, st, p))
+    st = jax.block_until_ready(compiled(g, st, p))[1]
     if i >= 2:
       times.append(time.perf_counter() - t0)
   return float(np.median(times))

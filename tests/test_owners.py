@@ -23,7 +23,8 @@ SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
          "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"), "b": P("tensor")}
 DIMS = {"stack": fo.MatrixDims(), "w": fo.MatrixDims(), "t": fo.MatrixDims(),
         "sq": fo.MatrixDims(), "b": None}
-ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice0", "apollo"]
+ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice0", "apollo",
+                 "eigen_adam"]
 
 
 def _params():

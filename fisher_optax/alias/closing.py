@@ -86,7 +86,7 @@ _COMMON_ARGS = """\
       ``Explicit`` and the gradients are replicated; ``True`` the context mesh always; a
       mesh that mesh (for a ``jax.jit`` with shardings and no context mesh). Default
       ``"auto"`` where it was measured to send less (Muon, NorMuon, SWAN, GaLore, Fira,
-      Alice-0, APOLLO, APOLLO-mini), ``False`` elsewhere (docs: "Sharding and
+      Alice-0, APOLLO, APOLLO-mini, Eigen-Adam), ``False`` elsewhere (docs: "Sharding and
       multi-host training", Communication). Give the jitted step ``out_shardings`` for
       the state (``fo.state_shardings``) so that it keeps its layout from step to step.
     fallback: transformation for the other leaves (default

@@ -17,7 +17,7 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
                weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
-               owner_layout: Any = False,
+               owner_layout: Any = "auto",
                fallback: Optional[optax.GradientTransformation] = None,
                fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
                ) -> optax.GradientTransformationExtraArgs:

@@ -145,9 +145,10 @@ def resolve_mesh(layout: Optional[OwnerLayout], updates: Any) -> Optional[Any]:
 def owner_layout(tx, setting: Any = AUTO):
   """``tx`` with its whole-matrix work on the matrices' owner devices.
 
-  Every whole-matrix function that ``tx``'s blocks run through :func:`map_whole`
-  (Newton--Schulz, the refreshes' decompositions) runs, while ``update`` is traced, on
-  the matrices' owners of the mesh :func:`resolve_mesh` picks. ``init`` and the state are
+  Every whole-matrix function that ``tx``'s blocks run through
+  ``fisher_optax.parallel.owners.map_whole`` (Newton--Schulz, the refreshes'
+  decompositions) runs, while ``update`` is traced, on the matrices' owners of the mesh
+  that ``setting`` picks (``resolve_mesh`` in ``fisher_optax.parallel.owners``). ``init`` and the state are
   ``tx``'s: the layout moves matrices within one update, never the state, so checkpoints,
   ``fo.state_shardings`` and ``fo.describe`` are those of ``tx``. The named optimizers
   apply it (their ``owner_layout=``); a chain of blocks built by hand takes it as
