@@ -41,8 +41,12 @@ def _tx(name, **kw):
   return getattr(fo, name)(0.01, dims=DIMS, **{**registry.kwargs(name, dims=None), **kw})
 
 
-def _mesh(explicit=False):
+def _mesh(explicit=False, data=False):
+  """4 x 2 (fsdp, tensor), or with ``data`` 2 x 2 x 2 (data, fsdp, tensor): a matrix
+  axis then goes to its owners over two mesh axes."""
   kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  if data:
+    return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(kind,) * 3)
   return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
 
 
@@ -57,14 +61,15 @@ def _close(got, want, what, tol=1e-3):
 
 @pytest.mark.parametrize("name", registry.params(ON_BY_DEFAULT,
                                                  default=["muon", "galore", "alice0"]))
-@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
-def test_owner_layout_gives_the_single_device_updates(name, explicit):
+@pytest.mark.parametrize("explicit,data", [(False, False), (True, False), (False, True)],
+                         ids=["auto_axes", "explicit_axes", "data_fsdp_tensor"])
+def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
   """4 steps (refreshes at 1 and 3 where the optimizer has them: interval 2) under ``jax.set_mesh``,
   the owner layout on by default: the updates of one device; the parameters keep their
   shardings."""
   tx = _tx(name)
   single, _ = _run(tx, 4)
-  mesh = _mesh(explicit)
+  mesh = _mesh(explicit, data)
   with jax.set_mesh(mesh):
     sharded, _ = _run(tx, 4, mesh)
   _close(sharded, single, name)

@@ -226,22 +226,46 @@ def _exchange(x, name):
   return jax.lax.all_to_all(x, name, split_axis=0, concat_axis=0, tiled=True)
 
 
+def _reorder(x, a: int, sizes: list):
+  """Axis ``a`` of ``x`` read as ``sizes + [piece]`` nested blocks, the order of those
+  block indices reversed (an involution when applied with ``sizes`` reversed)."""
+  n = len(sizes)
+  y = x.reshape(x.shape[:a] + tuple(sizes) + (-1,) + x.shape[a + 1:])
+  y = jnp.moveaxis(y, list(range(a, a + n)), list(range(a + n - 1, a - 1, -1)))
+  return y.reshape(x.shape)
+
+
+def _names_per_axis(split) -> dict:
+  out: dict = {}
+  for a, name in split:
+    out.setdefault(a, []).append(name)
+  return out
+
+
 def _to_owners(x, split):
   """Inside ``shard_map``: a block split over matrix axes -> whole matrices, the stack
   split over the mesh axes in order (one exchange per mesh axis): ``(k, .., m/F, ..)``
   -> ``(F, k/F, .., m/F, ..)`` -> exchange (slice ``f`` now the ``f``-th piece of axis
-  ``a`` of the ``k/F`` matrices this device keeps) -> ``(k/F, .., m, ..)``."""
+  ``a`` of the ``k/F`` matrices this device keeps) -> ``(k/F, .., m, ..)``. An axis
+  split over several mesh axes comes out of its exchanges with its pieces in the
+  reverse order of theirs, which :func:`_reorder` puts back."""
   for a, name in split:
     size = jax.lax.axis_size(name)
     k = x.shape[0]
     y = _exchange(x.reshape((size, k // size) + x.shape[1:]), name)
     y = jnp.moveaxis(y, 0, a)  # (k/F, .., F, m/F, ..)
     x = y.reshape(y.shape[:a] + (y.shape[a] * y.shape[a + 1],) + y.shape[a + 2:])
+  for a, names in _names_per_axis(split).items():
+    if len(names) > 1:
+      x = _reorder(x, a, [jax.lax.axis_size(n) for n in reversed(names)])
   return x
 
 
 def _from_owners(x, split):
   """The inverse of :func:`_to_owners`."""
+  for a, names in _names_per_axis(split).items():
+    if len(names) > 1:
+      x = _reorder(x, a, [jax.lax.axis_size(n) for n in names])
   for a, name in reversed(split):
     size = jax.lax.axis_size(name)
     y = x.reshape(x.shape[:a] + (size, x.shape[a] // size) + x.shape[a + 1:])
