@@ -7,11 +7,12 @@ for the decompositions. In the owner layout the matrices that one whole-matrix f
 serves (a stack of same-shape matrices, :func:`fisher_optax.grouping.map_grouped`) are
 handed out along their stack axis: matrix ``j`` of a stack of ``k`` (padded to a multiple
 of the device count ``P`` with copies of the last one) lives whole on device
-``j // ceil(k / P)``. One resharding brings each matrix to its owner (an all-to-all:
-each device sends the ``1/P`` slice it holds of every matrix it does not own), the owner
-runs the function on its whole local matrices with no collective
-(``jax.shard_map``), and one resharding takes the results back. What each device sends
-per function is then about ``2/P`` of the matrices' bytes, falling with the device count.
+``j // ceil(k / P)`` (devices in the mesh's order). One ``all_to_all`` per mesh axis
+brings each matrix to its owner (each device sends the slice it holds of every matrix it
+does not own), the owner runs the function on its whole local matrices with no
+collective (``jax.shard_map``), and the inverse exchanges take the results back; results
+that are optimizer state come back to every device instead. What each device sends per
+function is then about ``2/P`` of the matrices' bytes, falling with the device count.
 
 The layout is a placement: every matrix gets the function it gets on one device (tests
 compare with single-device runs). :func:`owner_layout` turns it on for an optimizer's
