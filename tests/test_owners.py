@@ -28,13 +28,11 @@ ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice0", "apollo"
 
 
 def _params():
-  return {k: jax.random.normal(jax.random.PRNGKey(i), s) * 0.1
-          for i, (k, s) in enumerate(PARAMS.items())}
+  return util.random_tree(PARAMS, 0, 0.1)
 
 
 def _grads(t):
-  return {k: jax.random.normal(jax.random.PRNGKey(100 + 7 * t + i), s)
-          for i, (k, s) in enumerate(PARAMS.items())}
+  return util.random_tree(PARAMS, 100 + 7 * t)
 
 
 def _tx(name, **kw):
@@ -229,3 +227,28 @@ def test_bfloat16_transport_against_the_float64_reference(name, bound):
         f"{errors['float32']:.1e}, bfloat16 {errors['bfloat16']:.1e}")
   assert errors["float32"] < 1e-4, errors
   assert errors["float32"] < errors["bfloat16"] < bound, errors
+
+
+@pytest.mark.parametrize("name", ["muon", "galore"])
+def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name):
+  """A zero gradient gives a zero update and a NaN gradient a NaN update, in its own
+  leaf only, on the mesh as on one device (padding copies a real matrix, so no padded
+  slot meets a degenerate case of its own)."""
+  tx = _tx(name)
+  zero = lambda t: {k: jnp.zeros(s) for k, s in PARAMS.items()}  # noqa: E731
+  nan = lambda t: {**_grads(t), "w": jnp.full(PARAMS["w"], jnp.nan)}  # noqa: E731
+  mesh = _mesh()
+  for grads in (zero, nan):
+    single, _ = util.run_sharded(tx, _params(), grads, SPECS, 2)
+    with jax.set_mesh(mesh):
+      sharded, _ = util.run_sharded(tx, _params(), grads, SPECS, 2, mesh)
+    for k in PARAMS:
+      a, b = np.asarray(sharded[k]), np.asarray(single[k])
+      np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=k)
+      np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=1e-6,
+                                 err_msg=k)
+    if grads is zero:
+      np.testing.assert_array_equal(np.asarray(sharded["w"]), np.asarray(_params()["w"]))
+    else:
+      assert np.isnan(np.asarray(sharded["w"])).all()
+      assert np.isfinite(np.asarray(sharded["stack"])).all()

@@ -35,13 +35,11 @@ def _mesh(n=8):
 
 
 def _params():
-  return {k: jax.random.normal(jax.random.PRNGKey(i), s) * 0.1
-          for i, (k, s) in enumerate(PARAMS.items())}
+  return util.random_tree(PARAMS, 0, 0.1)
 
 
 def _grads(t):
-  return {k: jax.random.normal(jax.random.PRNGKey(100 + 7 * t + i), s)
-          for i, (k, s) in enumerate(PARAMS.items())}
+  return util.random_tree(PARAMS, 100 + 7 * t)
 
 
 def _run(tx, steps, mesh=None, params=None, state=None, start=0):

@@ -169,3 +169,9 @@ def assert_close_change(got, want, start, what, tol=1e-3):
     d = np.asarray(want[k], np.float64) - np.asarray(start[k], np.float64)
     err = np.linalg.norm(np.asarray(got[k], np.float64) - np.asarray(want[k], np.float64))
     assert err <= tol * np.linalg.norm(d), (what, k, err / np.linalg.norm(d))
+
+
+def random_tree(shapes: dict, seed: int, scale: float = 1.0) -> dict:
+  """``{name: normal(key(seed + i), shape) * scale}`` over ``shapes`` in order."""
+  return {k: jax.random.normal(jax.random.PRNGKey(seed + i), s) * scale
+          for i, (k, s) in enumerate(shapes.items())}
