@@ -3,7 +3,7 @@ compiled program.
 
     python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
-                                     [--owner-layout default|on|off] [--time N]
+                                     [--owner-layout default|on|off|mesh] [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
 the state's from ``fo.state_shardings``) is compiled on abstract shapes of a LLaMA
@@ -258,20 +258,21 @@ def make_mesh(layout: str, devices: int):
   return Mesh(devs, ("fsdp",))
 
 
-OWNER = {"default": None, "on": True, "off": False}
+OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh"}
 
 
-def build(name: str, preset: str, owner: str = "default"):
+def build(name: str, preset: str, owner: str = "default", mesh=None):
   """The LLaMA example's optimizer ``name`` for ``preset`` (``muon`` is
   ``optax.contrib.muon``, ``fo_muon`` the library's), the library's in the per-leaf
   layout (``stack_matrices=False``) with ``owner_layout`` as ``owner`` says (``default``:
-  the optimizer's own default)."""
+  the optimizer's own default; ``mesh``: the mesh itself, with which the rotation
+  family keeps its state in the owner layout across steps)."""
   from benchmarks import step_time
   kw = {}
   if step_time._ours(name):
     kw = dict(stack_matrices=False)
     if OWNER[owner] is not None:
-      kw["owner_layout"] = OWNER[owner]
+      kw["owner_layout"] = mesh if OWNER[owner] == "mesh" else OWNER[owner]
   return step_time.build(name, preset, 1e-3, **kw)
 
 
@@ -311,7 +312,7 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   params, _ = step_time.abstract_params(preset)
   mesh = make_mesh(layout, devices)
   specs = layout_specs(params, layout, devices)
-  tx = build(name, preset, owner)
+  tx = build(name, preset, owner, mesh)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   s_sh = fo.state_shardings(tx, params, specs, mesh)
@@ -397,7 +398,8 @@ def main(argv=None):
   ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "dp"))
   ap.add_argument("--optimizers", default=",".join(DEFAULT))
   ap.add_argument("--owner-layout", default="default", choices=tuple(OWNER),
-                  help="the library's owner_layout: each optimizer's default, on or off")
+                  help="the library's owner_layout: each optimizer's default, on, off, or "
+                  "the mesh itself (the rotation family's state in the owner layout)")
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")

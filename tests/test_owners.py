@@ -5,7 +5,6 @@ shards the matrices."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -166,24 +165,19 @@ def test_orbax_resume_onto_another_mesh_continues_the_owner_layout(tmp_path):
   with orbax, restored onto a 2 x 2 mesh and onto one device: both continuations give
   the uninterrupted single-device run, the refresh at step 5 in the owner layout of the
   new mesh."""
-  from tests.test_sharding import _restore, _save
+  from tests.test_sharding import _save
   tx = _tx("galore", interval=4)
   want, _ = _run(tx, 6)
   mesh = _mesh()
   with jax.set_mesh(mesh):
     p2, s2 = _run(tx, 2, mesh)
   _save(tmp_path / "ck", p2, s2)
-  small = jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[:4],
-                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  p_sh = {k: NamedSharding(small, v) for k, v in SPECS.items()}
-  s_sh = fo.state_shardings(tx, p2, SPECS, small)
-  rp, rs = _restore(tmp_path / "ck", jax.device_put(p2, p_sh), jax.device_put(s2, s_sh))
+  small = util.small_mesh()
+  rp, rs = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, small)
   with jax.set_mesh(small):
     got, _ = _run(tx, 4, small, params=rp, state=rs, start=2)
   _close(got, want, "4x2 -> 2x2")
-  one = lambda t: jax.tree.map(  # noqa: E731
-      lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), t)
-  rp1, rs1 = _restore(tmp_path / "ck", one(p2), one(s2))
+  rp1, rs1 = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, "one")
   got1, _ = _run(tx, 4, params=rp1, state=rs1, start=2)
   _close(got1, want, "4x2 -> 1")
 
@@ -234,21 +228,5 @@ def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name):
   """A zero gradient gives a zero update and a NaN gradient a NaN update, in its own
   leaf only, on the mesh as on one device (padding copies a real matrix, so no padded
   slot meets a degenerate case of its own)."""
-  tx = _tx(name)
-  zero = lambda t: {k: jnp.zeros(s) for k, s in PARAMS.items()}  # noqa: E731
-  nan = lambda t: {**_grads(t), "w": jnp.full(PARAMS["w"], jnp.nan)}  # noqa: E731
-  mesh = _mesh()
-  for grads in (zero, nan):
-    single, _ = util.run_sharded(tx, _params(), grads, SPECS, 2)
-    with jax.set_mesh(mesh):
-      sharded, _ = util.run_sharded(tx, _params(), grads, SPECS, 2, mesh)
-    for k in PARAMS:
-      a, b = np.asarray(sharded[k]), np.asarray(single[k])
-      np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=k)
-      np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=1e-6,
-                                 err_msg=k)
-    if grads is zero:
-      np.testing.assert_array_equal(np.asarray(sharded["w"]), np.asarray(_params()["w"]))
-    else:
-      assert np.isnan(np.asarray(sharded["w"])).all()
-      assert np.isfinite(np.asarray(sharded["stack"])).all()
+  util.assert_zero_and_nan_stay_in_their_leaf(_tx(name), PARAMS, _params, _grads, SPECS,
+                                              _mesh())

@@ -296,8 +296,15 @@ def test_a_stack_of_one_matrix_runs_unbatched_with_the_same_updates():
       jnp.ones((2, 6, 20)))
   assert [e.invars[0].aval.shape for e in jaxpr2.eqns
           if e.primitive.name == "reduce_sum"] == [(2, 6, 20)]
-  params = {"head": jnp.zeros((6, 20)),
-            "layers": {i: {"q": jnp.zeros((6, 10))} for i in range(2)}}
+  # square matrices: from the first step SOAP's statistics on both sides have full rank,
+  # so its update is a continuous function of the gradients. With a 6 x 20 head the
+  # 20 x 20 statistics were rank-deficient for three steps; in their null space any basis
+  # is an eigenbasis, Adam's per-coordinate scaling makes the update depend on which one
+  # float32 rounding picked, and the two layouts' updates differed by 1e-3 when XLA:CPU
+  # compiled at its own settings (optimization level 3, fusion emitters) instead of this
+  # suite's: other rounding of the same computation
+  params = {"head": jnp.zeros((6, 6)),
+            "layers": {i: {"q": jnp.zeros((10, 10))} for i in range(2)}}
   for name in ("racs", "alice", "soap"):
     kw = dict(registry.kwargs(name, draw_free=True), stack_matrices=False)
     per_leaf, _ = _run(getattr(fo, name)(0.01, **kw), params)

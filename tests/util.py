@@ -175,3 +175,48 @@ def random_tree(shapes: dict, seed: int, scale: float = 1.0) -> dict:
   """``{name: normal(key(seed + i), shape) * scale}`` over ``shapes`` in order."""
   return {k: jax.random.normal(jax.random.PRNGKey(seed + i), s) * scale
           for i, (k, s) in enumerate(shapes.items())}
+
+
+def restore_onto(path, tx, params, state, specs, mesh):
+  """``params`` and ``state`` saved with orbax under ``path`` (the sharding tests'
+  ``_save``) and restored laid out for ``mesh`` (by ``specs`` and ``fo.state_shardings``),
+  or onto the first device when ``mesh`` is ``"one"``."""
+  from jax.sharding import NamedSharding
+  from tests.test_sharding import _restore
+  if mesh == "one":
+    one = lambda t: jax.tree.map(  # noqa: E731
+        lambda x: jax.device_put(np.asarray(x), jax.devices()[0]), t)
+    return _restore(path, one(params), one(state))
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
+  return _restore(path, jax.device_put(params, p_sh), jax.device_put(state, s_sh))
+
+
+def small_mesh():
+  """A 2 x 2 ``("fsdp", "tensor")`` mesh of the first 4 devices, ``Auto`` axes."""
+  return jax.make_mesh((2, 2), ("fsdp", "tensor"), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mesh,
+                                           leaf="w", other="stack"):
+  """Two steps of ``tx`` on ``mesh`` (``jax.set_mesh``) and on one device, with zero
+  gradients and with NaN gradients in ``leaf`` only: the same NaN pattern and values
+  both ways, a zero gradient leaving ``leaf`` unchanged, a NaN one making all of it NaN
+  and leaving ``other`` finite."""
+  zero = lambda t: {k: jnp.zeros(s) for k, s in shapes.items()}  # noqa: E731
+  nan = lambda t: {**grads(t), leaf: jnp.full(shapes[leaf], jnp.nan)}  # noqa: E731
+  for given in (zero, nan):
+    single, _ = run_sharded(tx, params(), given, specs, 2)
+    with jax.set_mesh(mesh):
+      sharded, _ = run_sharded(tx, params(), given, specs, 2, mesh)
+    for k in shapes:
+      a, b = np.asarray(sharded[k]), np.asarray(single[k])
+      np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=k)
+      np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=1e-6,
+                                 err_msg=k)
+    if given is zero:
+      np.testing.assert_array_equal(np.asarray(sharded[leaf]), np.asarray(params()[leaf]))
+    else:
+      assert np.isnan(np.asarray(sharded[leaf])).all()
+      assert np.isfinite(np.asarray(sharded[other])).all()

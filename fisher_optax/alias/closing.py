@@ -183,7 +183,8 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
     fallback_lr = learning_rate if fallback_lr is None else fallback_lr
     fallback = routing.in_float32(optax.adam(fallback_lr))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
-                       info=dict(name=name, rank=rank, stack_matrices=stack))
+                       info=dict(name=name, rank=rank, stack_matrices=stack,
+                                 owner_mesh=getattr(owners.as_layout(owner), "mesh", None)))
 
 
 # Arguments that fix array shapes. optax.inject_hyperparams turns every numeric argument

@@ -8,6 +8,7 @@ import optax
 from fisher_optax import matrices, validation
 from fisher_optax.alias.closing import finish, named
 from fisher_optax.blocks import rotate, scale_by_bias_correction, scale_by_moments
+from fisher_optax.parallel import owners
 
 
 @named('eigen_adam(1e-3, interval=2)', static_args=('max_precond_dim', 'refresh'))
@@ -56,7 +57,8 @@ def eigen_adam(learning_rate: optax.ScalarOrSchedule, *, interval: int = 10, b1:
     return [rotate(scale_by_moments(b1, b2, eps), sides="smaller", interval=interval, b3=b3,
                    statistics="before", refresh=refresh, reexpress=("mu",),
                    permute=("nu",) if refresh == "power_qr" else (),
-                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd,
+                   owners=owners.state_devices(owner_layout))]
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
@@ -107,7 +109,8 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
     return [rotate(inner, sides="both", interval=precondition_frequency,
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
-                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+                   max_precond_dim=_precond_limit(max_precond_dim), dims=bd,
+                   owners=owners.state_devices(owner_layout))]
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
@@ -158,7 +161,8 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
   def blocks(bd):
     return [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh=refresh, eigenvalue_power=-0.25,
-                   stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd)]
+                   stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd,
+                   owners=owners.state_devices(owner_layout))]
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,

@@ -59,6 +59,7 @@ import optax
 from optax import tree_utils as otu
 
 from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
+from fisher_optax.parallel import owners
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -83,6 +84,24 @@ class RotateState(NamedTuple):
   inner_state: optax.OptState
   # roles for parallel/sharding.py: a side's arrays follow that side's parameter axis
   SHARDING = {"left": "left_square", "right": "right_square"}
+
+
+class RotateOwnedState(NamedTuple):
+  """The state of ``rotate(..., owners=P)``.
+
+  ``owned``: a :class:`RotateState` whose fields are dicts with one entry per canonical
+  matrix size ``"m x n"``: a stack over every matrix of that size in the tree, padded
+  to a multiple of ``P`` (``parallel/owners.py``, ``placement``); under the owner
+  layout each device keeps and updates its slice of every stack. ``local``: a
+  :class:`RotateState` of the leaves rotated where their shards are (one side rotated,
+  and that side at most ``1/P`` of the other: the all-reduce of its ``d x d``
+  statistics sends less than moving the matrix), laid out as their parameters, the other
+  leaves ``None``."""
+  owned: RotateState
+  local: RotateState
+  # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
+  # leading axis; ``local`` keeps the roles of RotateState
+  SHARDING = {"owned": "owners"}
 
 
 def _active(view: matrices.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:
@@ -135,8 +154,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
            b3: Optional[float] = 0.95, statistics: str = "before", refresh: str = "eigh",
            reexpress: Sequence[str] = (), permute: Sequence[str] = (),
            eigenvalue_power: Optional[float] = None, stats_eps: float = 0.0,
-           max_precond_dim: Optional[int] = 10000, dims: matrices.DimsSpec = None
-           ) -> optax.GradientTransformation:
+           max_precond_dim: Optional[int] = 10000, dims: matrices.DimsSpec = None,
+           owners: Optional[int] = None) -> optax.GradientTransformation:
   """Runs ``inner`` in the eigenbasis of the gradient statistics (module docstring).
 
   Args:
@@ -158,6 +177,14 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     stats_eps: statistics start at ``stats_eps * I`` (Shampoo's ``eps``), >= 0.
     max_precond_dim: sides larger than this are not rotated (``None``: no limit).
     dims: matrix axes per leaf.
+    owners: ``None`` (state per leaf, laid out as its parameter) or a device count
+      ``P``: the state in the owner layout across steps (:class:`RotateOwnedState`), every
+      matrix of the tree with the same canonical size in one stack, padded to a
+      multiple of ``P`` with copies of its last matrix. Under the owner layout of a mesh
+      of ``P`` devices (:func:`fisher_optax.owner_layout`) the gradients go to their
+      owners and the updates come back (one ``all_to_all`` per mesh axis each way) and
+      everything else, refreshes included, is local; elsewhere the same stacks are
+      updated where XLA lays them out. The updates are those of ``owners=None``.
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")
@@ -169,11 +196,14 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   validation.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
   validation.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
   validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
+  validation.check_int("owners", owners, low=1, allow_none=True)
   cfg = _Rotation(inner=inner, sides=sides, interval=interval, b3=b3, statistics=statistics,
                   refresh=refresh, reexpress=tuple(reexpress), permute=tuple(permute),
                   eigenvalue_power=eigenvalue_power, stats_eps=stats_eps,
                   max_dim=validation.static_int("max_precond_dim", max_precond_dim),
-                  dims=dims)
+                  dims=dims, owners=owners)
+  if owners is not None:
+    return optax.GradientTransformation(cfg.init_owned, cfg.update_owned)
   return optax.GradientTransformation(cfg.init, cfg.update)
 
 
@@ -193,6 +223,7 @@ class _Rotation:
   stats_eps: float
   max_dim: Optional[int]
   dims: matrices.DimsSpec
+  owners: Optional[int] = None
 
   def lift(self, tree, canonical: bool = False) -> lifting.Lifted:
     return lifting.Lifted(tree, self.dims, side="smaller" if self.sides == "smaller" else None,
@@ -214,7 +245,9 @@ class _Rotation:
     return jnp.ones(v.batch_shape + (d,), jnp.float32)
 
   def init(self, params):
-    lifted = self.lift(params)
+    return self.init_lifted(self.lift(params))
+
+  def init_lifted(self, lifted):
     mk = lambda side, kind: lifted.per_view(lambda v: self.side_arrays(v, side, kind))  # noqa: E731
     coeff_like = lifted.per_view(lambda v: jnp.zeros(v.batch_shape + (v.m, v.n), jnp.float32))
     inner_state = self.inner.init(coeff_like)
@@ -228,6 +261,12 @@ class _Rotation:
   def update(self, updates, state, params=None):
     del params
     lifted = self.lift(updates, canonical=True)
+    out, state = self.step(lifted, state)
+    return lifted.to_leaves(out), state
+
+  def step(self, lifted, state):
+    """The update of the canonical matrices of ``lifted`` (per-leaf lists) and the new
+    state, whose fields are trees of ``lifted``'s structure."""
     c = state.count
     sides = {"l": state.left, "r": state.right}
     st = {k: lifted.leaves_of(v.stats) for k, v in sides.items()}
@@ -251,8 +290,80 @@ class _Rotation:
     side = lambda k: RotateSideState(  # noqa: E731
         stats=lifted.unflatten(st[k]), basis=lifted.unflatten(bases[k]),
         eig=lifted.unflatten(eigs[k]))
-    return lifted.to_leaves(out), RotateState(count=optax.safe_int32_increment(c), left=side("l"),
-                                              right=side("r"), inner_state=inner_state)
+    return out, type(state)(count=optax.safe_int32_increment(c), left=side("l"),
+                            right=side("r"), inner_state=inner_state)
+
+  # ------------------------------------------------- state in the owner layout (owners=P)
+
+  def in_place(self, v: matrices.MatrixView) -> bool:
+    """Whether a matrix is rotated where its shards are under ``owners=P``: one side
+    rotated, at most ``1/P`` the size of the other. Its statistics' all-reduce then
+    sends ``d^2`` numbers against the ``2 m n / P`` of moving it to an owner and back."""
+    left, right = _active(v, self.sides, self.max_dim)
+    if left == right:
+      return False
+    d, other = (v.m, v.n) if left else (v.n, v.m)
+    return d * self.owners <= other
+
+  def size_groups(self, lifted) -> dict:
+    """``{"m x n": [leaf indices]}``: the leaves whose canonical matrices have that size
+    and go to owners."""
+    groups: dict = {}
+    for i, v in enumerate(lifted.views):
+      if not self.in_place(v):
+        groups.setdefault(f"{v.m}x{v.n}", []).append(i)
+    return groups
+
+  def local_tree(self, tree, lifted):
+    """``tree`` with the leaves that go to owners replaced by ``None``."""
+    return lifted.unflatten([x if self.in_place(v) else None
+                             for x, v in zip(lifted.leaves, lifted.views)])
+
+  def owned_plan(self, lifted) -> tuple:
+    """The owned groups' keys (sorted), members, slots and stack lengths
+    (``parallel/owners.py``, ``placement``), from the shapes alone."""
+    groups = self.size_groups(lifted)
+    keys = sorted(groups)
+    counts = [sum(lifted.views[i].num_matrices for i in groups[k]) for k in keys]
+    sizes = [lifted.views[groups[k][0]].m * lifted.views[groups[k][0]].n for k in keys]
+    slots, lengths = owners.placement(counts, sizes, self.owners)
+    return keys, groups, slots, lengths
+
+  def init_owned(self, params):
+    lifted = self.lift(params)
+    keys, groups, _, lengths = self.owned_plan(lifted)
+    stacks = {key: jax.ShapeDtypeStruct((n,) + (lifted.views[groups[key][0]].m,
+                                                lifted.views[groups[key][0]].n), jnp.float32)
+              for key, n in zip(keys, lengths)}
+    return RotateOwnedState(
+        owned=self.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
+        local=self.init(self.local_tree(params, lifted)))
+
+  def update_owned(self, updates, state, params=None):
+    del params
+    lifted = self.lift(updates, canonical=True)
+    keys, groups, slots, lengths = self.owned_plan(lifted)
+    flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
+    moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
+
+    def body(whole, st):  # every matrix of the stacks ``whole``, with its state
+      return self.step(lifting.Lifted(dict(zip(keys, whole)), None, what="rotate",
+                                      canonical=True), st)
+
+    outs, owned = (owners.run_owned(body, moved, state.owned, slots, lengths) if keys
+                   else ([], state.owned))
+    res: list = [None] * len(flat)
+    for key, out in zip(keys, outs):
+      idx = groups[key]
+      sizes = [flat[i].shape[0] for i in idx]
+      starts = [sum(sizes[:j]) for j in range(len(idx))]
+      for i, part in zip(idx, grouping.split(out, starts, sizes)):
+        res[i] = part.reshape(lifted.canonical_grads[i].shape)
+    here = self.lift(self.local_tree(updates, lifted), canonical=True)
+    out_here, local = self.step(here, state.local)
+    mine = iter(out_here)
+    res = [next(mine) if r is None else r for r in res]
+    return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local)
 
   def stats_all(self, lifted, st):
     def update(s, g, side):

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from fisher_optax import matrices, model_dims, routing, stacking
+from fisher_optax.parallel import sharding
 from fisher_optax.blocks.power import power_rank
 from fisher_optax.inspect import memory
 
@@ -150,6 +151,7 @@ def describe(tx: Any, params: Any) -> Description:
   for rec in found:
     if stacking.is_stacked(rec.routed):
       stacking.add_stacked_state(counts, rec, paths)
+    _add_owned_state(counts, rec, paths)
   notes = [] if found else ["no fisher_optax named optimizer inside tx: rules unknown"]
   rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other",
                own=o)
@@ -187,13 +189,56 @@ def _own_numbers(found: list, flat: list, paths: list) -> list:
   for rec in found:
     inner = jax.tree_util.tree_flatten_with_path(rec.params)[0]
     counts = memory.state_sizes_by_leaf(rec.state, [p for p, _ in inner])
+    inner_paths = [matrices.path_to_str(p) for p, _ in inner]
     if stacking.is_stacked(rec.routed):
-      stacking.add_stacked_state(counts, rec, [matrices.path_to_str(p) for p, _ in inner])
+      stacking.add_stacked_state(counts, rec, inner_paths)
+    _add_owned_state(counts, rec, inner_paths)
     for (p, _), n in zip(inner, counts):
       i = index.get(matrices.path_to_str(p))
       if i is not None:
         own[i] += n
   return own
+
+
+def _add_owned_state(counts: list, rec: Any, paths: list) -> None:
+  """Adds the state kept in the owner layout (stacks keyed by matrix size ``"m x n"``,
+  :class:`~fisher_optax.RotateOwnedState`) to the structured leaves of that size (either
+  orientation, the stored one first), in proportion to their matrices: its padding slots
+  are counted with the real ones, as they take memory."""
+  totals: dict = {}
+  for key, role in sharding.field_roles(rec.state).items():
+    if role == "owners":
+      leaf = _leaf_at(rec.state, key)
+      group = re.search(r"\['(\d+x\d+)'\]", key)
+      if group is not None and leaf is not None:
+        totals[group.group(1)] = totals.get(group.group(1), 0) + int(np.prod(leaf.shape))
+  if not totals:
+    return
+  flat = jax.tree_util.tree_flatten_with_path(rec.params)[0]
+  labels = jax.tree.leaves(rec.labels)
+  dims = jax.tree.leaves(model_dims.resolve_dims(rec.routed.dims, rec.params),
+                         is_leaf=lambda x: x is None or isinstance(x, matrices.MatrixDims))
+  outer = {p: i for i, p in enumerate(paths)}
+  members: dict = {}
+  for (path, x), label, d in zip(flat, labels, dims):
+    if label != "structured":
+      continue
+    v = matrices.matrix_view(x.shape, d, what="describe")
+    key = next((k for k in (f"{v.fan_in}x{v.fan_out}", f"{v.fan_out}x{v.fan_in}")
+                if k in totals), None)
+    if key is not None:
+      members.setdefault(key, []).append((outer[matrices.path_to_str(path)], v.num_matrices))
+  for key, who in members.items():
+    k = sum(n for _, n in who)
+    for i, n in who:
+      counts[i] += totals[key] * n // k
+
+
+def _leaf_at(tree: Any, key: str) -> Any:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jax.tree_util.keystr(path) == key:
+      return leaf
+  return None
 
 
 def _routing_by_path(found: list) -> dict:

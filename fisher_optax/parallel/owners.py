@@ -45,8 +45,10 @@ class OwnerLayout:
   :func:`owner_layout`.
 
   Attributes:
-    mesh: the mesh whose devices own the matrices; ``None``: the context mesh
-      (``jax.set_mesh``) at trace time.
+    mesh: the mesh whose devices own the matrices where no context mesh
+      (``jax.set_mesh``) is set at trace time (the context mesh comes first); ``None``:
+      the context mesh only. Its size is also the device count the rotation family
+      pads its state for, kept on the owners across steps (``rotate(..., owners=P)``).
     transport_dtype: the dtype matrices travel in to and from their owners (e.g.
       ``jnp.bfloat16``, as Moonlight sends Muon's gradients: half the bytes); the
       owners compute in float32 all the same. ``None``: the matrices' own dtype (float32
@@ -126,20 +128,35 @@ def as_layout(setting: Any) -> Optional[OwnerLayout]:
                    f"fo.OwnerLayout, got {setting!r}")
 
 
+def state_devices(setting: Any) -> Optional[int]:
+  """The device count a block keeps its state in the owner layout for (``None``: state
+  laid out as the parameters): the size of the mesh ``owner_layout=setting`` names (a
+  ``Mesh`` or ``fo.OwnerLayout(mesh=...)``), when it has several devices. A setting
+  without a mesh (``"auto"``, ``True``) picks the mesh at trace time, too late to shape
+  the state, so it keeps the state as the parameters."""
+  layout = as_layout(setting)
+  if layout is None or layout.mesh is None:
+    return None
+  size = _mesh_size(layout.mesh)
+  return size if size > 1 else None
+
+
 def resolve_mesh(layout: Optional[OwnerLayout], updates: Any) -> Optional[Any]:
-  """The mesh ``layout`` uses for ``updates`` (traced now), or ``None``: its own mesh,
-  else the context mesh; none where that is absent or of one device, or (unless
-  ``layout.replicated``) where its axes are ``Explicit`` and no leaf of ``updates`` is
-  sharded over them (replicated data parallelism)."""
+  """The mesh ``layout`` uses for ``updates`` (traced now), or ``None``: the context mesh
+  (``jax.set_mesh``), else the layout's own; none where neither is set or the mesh has
+  one device, or (unless ``layout.replicated``) where the context mesh's axes are
+  ``Explicit`` and no leaf of ``updates`` is sharded over them (replicated data
+  parallelism). The context mesh comes first so that a state restored onto another
+  mesh is updated on the mesh it now lives on."""
   if layout is None:
     return None
-  mesh = layout.mesh
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = layout.mesh
+    if mesh is None:
       return None
-    if not layout.replicated and not _sharded(updates, mesh):
-      return None
+  elif not layout.replicated and not _sharded(updates, mesh):
+    return None
   return mesh if _mesh_size(mesh) > 1 else None
 
 
@@ -178,6 +195,19 @@ def owner_layout(tx, setting: Any = AUTO):
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
+def _mesh_argument(mesh) -> dict:
+  """``shard_map``'s ``mesh=``: none where a context mesh is set (inside the named
+  optimizers' ``jax.sharding.auto_axes`` that is the ``Auto`` view of an ``Explicit``
+  mesh, which the arrays' types match; the ``Explicit`` mesh given to ``owner_layout``
+  would not be), else the layout's own."""
+  if isinstance(mesh, jax.sharding.AbstractMesh) or not jax.sharding.get_abstract_mesh().empty:
+    return {}
+  if getattr(mesh, "explicit_axes", ()):  # no context mesh: arrays untyped, axes as Auto
+    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  return dict(mesh=mesh)
+
+
 def _matrix_split(shape: tuple, mesh) -> Optional[list]:
   """How a stack ``(k, ..., m, n)`` enters and leaves the owners: ``[(array axis, mesh
   axis), ...]``, the mesh axes that split its matrix axes outside the owners (``None``:
@@ -185,9 +215,7 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
 
   The parameters' own split is not visible while tracing on ``Auto`` axes, so this is a
   guess that XLA corrects matrix to matrix where it is wrong: on a mesh of one axis,
-  FSDP's (the larger side, the columns of a canonical matrix; the rows of a square one);
-  on a mesh
-  of several, Megatron's column-parallel layout (the last mesh axis on the columns, the
+  FSDP's (the larger side; the rows of a square matrix); on a mesh of several, Megatron's column-parallel layout (the last mesh axis on the columns, the
   others on the rows)."""
   if len(shape) < 3:
     return None
@@ -195,8 +223,8 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
   names = tuple(mesh.axis_names)
   if len(names) == 1:
     size = mesh.shape[names[0]]
-    # a square matrix is split on its first axis (the first of two equal largest axes)
-    for a in ((m_axis, n_axis) if shape[m_axis] == shape[n_axis] else (n_axis, m_axis)):
+    # the larger axis, the first of two equal ones (FSDP's choice), else the other
+    for a in ((m_axis, n_axis) if shape[m_axis] >= shape[n_axis] else (n_axis, m_axis)):
       if shape[a] % size == 0:
         return [(a, names[0])]
     return None
@@ -325,7 +353,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
     return [send(r) if sp is None else _from_owners(send(r), sp)
             for r, sp in zip(res, out_splits)]
 
-  kw = {} if isinstance(mesh, jax.sharding.AbstractMesh) else dict(mesh=mesh)
+  kw = _mesh_argument(mesh)
   out = jax.shard_map(
       body, in_specs=tuple(_entries(padded[i].shape, sp, axes)
                            for i, sp in zip(present, in_splits)),
@@ -334,3 +362,187 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
       check_vma=False, **kw)(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
                                        for y, o in zip(out, out_leaves)])
+
+
+def owned_spec(shape: tuple, mesh) -> P:
+  """The ``PartitionSpec`` of a state array kept in the owner layout across steps
+  (:func:`run_owned`): its leading (stack) axis split over every axis of ``mesh`` where
+  the mesh's size divides it; replicated otherwise (scalars, or a stack padded for
+  another device count)."""
+  size = _mesh_size(mesh)
+  if mesh is None or not shape or shape[0] % size:
+    return P()
+  return P(tuple(mesh.axis_names))
+
+
+def placement(counts: list, sizes: list, devices: int) -> tuple:
+  """Where the matrices of state kept in the owner layout live: per group ``g`` (``counts[g]``
+  matrices of ``sizes[g]`` elements each), the slot of each matrix in the group's stack of
+  ``c_g P`` slots (device ``d`` holds slots ``[d c_g, (d + 1) c_g)``, ``c_g`` the most
+  matrices of the group one device owns; the other slots are padding and hold zeros).
+  Groups of larger matrices first, each matrix to the device with the fewest elements so
+  far (longest processing time first), so that what each device receives and sends is
+  balanced even where a group has fewer matrices than devices (an embedding and an
+  output layer on 8 devices); padding slots cost state memory, not traffic. Returns the
+  slots and each group's stack length ``c_g P``."""
+  load = [0] * devices
+  out: list = [None] * len(counts)
+  lengths: list = [None] * len(counts)
+  for g in sorted(range(len(counts)), key=lambda g: (-sizes[g], g)):
+    held = [0] * devices
+    where = []
+    for _ in range(counts[g]):
+      d = min(range(devices), key=lambda x: (load[x], held[x], x))
+      where.append((d, held[d]))
+      held[d] += 1
+      load[d] += sizes[g]
+    c = max(held, default=0)
+    out[g] = [d * c + j for d, j in where]
+    lengths[g] = c * devices
+  return out, lengths
+
+
+def _block_layout(shape: tuple, split: list, mesh) -> tuple:
+  """For a stack ``(k, m, n)`` split over mesh axes as ``split`` says: the block one device
+  holds ``(k, m / R_m, n / R_n)`` and, for the blocks of a matrix listed in the order of
+  the flat device index (row-major over the mesh axes), the permutation that puts them
+  back together: ``(perm, grid)`` with ``pieces.reshape(mesh shape + block)
+  .transpose(perm).reshape(m, n)``."""
+  names = list(mesh.axis_names)
+  per_axis = _names_per_axis(split)
+  rows, cols = per_axis.get(len(shape) - 2, []), per_axis.get(len(shape) - 1, [])
+  rm = math.prod(mesh.shape[n] for n in rows)
+  rn = math.prod(mesh.shape[n] for n in cols)
+  block = (shape[-2] // rm, shape[-1] // rn)
+  a = len(names)
+  perm = ([names.index(n) for n in rows] + [a] + [names.index(n) for n in cols] + [a + 1])
+  return block, perm
+
+
+def run_owned(body: Callable[[list, Any], tuple], moved: list, owned: Any, slots: list,
+              lengths: list) -> tuple:
+  """``body(stacks, owned) -> (outs, new_owned)`` with every matrix on its owner and the
+  state ``owned`` kept there from step to step.
+
+  ``moved``: the gradients, stacks ``(k_g, m, n)`` in the parameters' layout. ``body``
+  gets them as stacks of ``lengths[g]`` slots, matrix ``i`` of group ``g`` at slot
+  ``slots[g][i]`` (:func:`placement`), padding slots zero, and returns one stack per
+  group in the same slots (``outs``), of which the real matrices come back in the
+  gradients' layout and order. ``owned``: the state, arrays whose leading axis is a
+  group's slots (split over every mesh axis, :func:`owned_spec`) or scalars
+  (replicated).
+
+  Under the owner layout, where the device count divides every ``lengths[g]``, inside
+  ``jax.shard_map`` each device packs the blocks it holds of the matrices device ``o``
+  owns into row ``o`` of one buffer, one ``all_to_all`` over all mesh axes delivers the
+  rows, and each owner puts its matrices together, runs ``body`` on its own slots and
+  state with no collective, and sends the updates back the same way: each device sends
+  about ``2/P`` of the matrices' bytes per update and no padding slot travels. Elsewhere
+  ``body`` runs on the whole padded stacks (the same values, laid out by XLA)."""
+  on = _ACTIVE.get()
+  owned_leaves, owned_tree = jax.tree.flatten(owned)
+  size = 1 if on is None else _mesh_size(on.mesh)
+  splits = [None if on is None else _matrix_split(x.shape, on.mesh) for x in moved]
+  stacks = list(lengths) + [jnp.shape(x)[0] for x in owned_leaves if jnp.ndim(x)]
+  if on is None or any(n % size for n in stacks) or any(sp is None for sp in splits):
+    full = [x if list(sl) == list(range(n)) else
+            jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.asarray(sl)].set(x)
+            for x, sl, n in zip(moved, slots, lengths)]
+    with using(None):
+      outs, new = body(full, owned)
+    return [o if list(sl) == list(range(n)) else o[jnp.asarray(sl)]
+            for o, sl, n in zip(outs, slots, lengths)], new
+  mesh, transport = on
+  axes = tuple(mesh.axis_names)
+  grid = tuple(mesh.shape[n] for n in axes)
+  owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
+  with using(None):
+    shapes = jax.eval_shape(body, [jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype)
+                                   for x, n in zip(moved, lengths)], owned)
+  out_shapes = [(len(sl),) + o.shape[1:] for o, sl in zip(shapes[0], slots)]
+  out_splits = [_matrix_split(sh, mesh) for sh in out_shapes]
+  if any(sp is None for sp in out_splits):
+    raise ValueError(f"run_owned: outputs {out_shapes} do not split over the mesh {grid}")
+  per = [n // size for n in lengths]  # slots per device, per group
+  owner = [[s // c for s in sl] for sl, c in zip(slots, per)]
+  lay_in = [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)]
+  lay_out = [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)]
+
+  def offsets(lays):
+    """Static tables: for each group, the offset of each slot's matrix in its owner's row
+    (every sender's row to one owner has the same layout), and the row length."""
+    at = [[0] * n for n in lengths]
+    fill = [0] * size
+    for g, (block, _) in enumerate(lays):
+      for i, s in enumerate(slots[g]):
+        o = owner[g][i]
+        at[g][s] = fill[o]
+        fill[o] += math.prod(block)
+    return at, max(max(fill), 1)
+
+  off_in, len_in = offsets(lay_in)
+  off_out, len_out = offsets(lay_out)
+  real = [[False] * n for n in lengths]
+  for g, sl in enumerate(slots):
+    for s in sl:
+      real[g][s] = True
+  send = lambda x: (x.astype(transport) if transport is not None  # noqa: E731
+                    and jnp.issubdtype(x.dtype, jnp.floating) else x)
+  dtypes = [x.dtype for x in moved]
+
+  def local(xs, leaves):
+    me = jax.lax.axis_index(axes)
+    # gradients to their owners: row o holds this device's blocks of o's matrices
+    rows = []
+    for o in range(size):
+      parts = [send(xs[g][i]).reshape(-1) for g in range(len(xs)) for i in range(len(slots[g]))
+               if owner[g][i] == o]
+      row = jnp.concatenate(parts) if parts else jnp.zeros((0,), send(xs[0]).dtype)
+      rows.append(jnp.pad(row, (0, len_in - row.shape[0])))
+    got = jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row d: from d
+    whole = []
+    for g, ((bm, bn), perm) in enumerate(lay_in):
+      mine = me * per[g] + jnp.arange(per[g])
+      at = jnp.asarray(off_in[g], jnp.int32)[mine]
+      ok = jnp.asarray(real[g])[mine]
+      take = jax.vmap(lambda a: jax.lax.dynamic_slice_in_dim(got, a, bm * bn, axis=1))(at)
+      m, n = moved[g].shape[1:]
+      mats = take.reshape((per[g],) + grid + (bm, bn))
+      mats = jnp.transpose(mats, [0] + [1 + p for p in perm]).reshape(per[g], m, n)
+      whole.append(jnp.where(ok[:, None, None], mats.astype(dtypes[g]), 0))
+    with using(None):
+      outs, new = body(whole, jax.tree.unflatten(owned_tree, leaves))
+    # updates back: row d holds d's blocks of this device's matrices
+    back = None
+    for g, ((bm, bn), perm) in enumerate(lay_out):
+      o = send(outs[g])
+      inv = [perm.index(j) for j in range(len(perm))]
+      cut = perm.index(len(grid))  # the mesh axes before it split the rows
+      blocks = o.reshape((per[g],) + tuple(grid[j] for j in perm[:cut]) + (bm,)
+                         + tuple(grid[j] for j in perm[cut + 1:-1]) + (bn,))
+      blocks = jnp.transpose(blocks, [0] + [1 + j for j in inv]).reshape(per[g], size, bm * bn)
+      if back is None:
+        back = jnp.zeros((size, len_out), blocks.dtype)
+      mine = me * per[g] + jnp.arange(per[g])
+      at = jnp.asarray(off_out[g], jnp.int32)[mine]
+      ok = jnp.asarray(real[g])[mine]
+      for j in range(per[g]):
+        put = jax.lax.dynamic_update_slice_in_dim(back, blocks[j], at[j], axis=1)
+        back = jnp.where(ok[j], put, back)
+    got = jax.lax.all_to_all(back, axes, 0, 0, tiled=True)  # row o: from owner o
+    res = []
+    for g, ((bm, bn), _) in enumerate(lay_out):
+      parts = [jax.lax.slice_in_dim(got[owner[g][i]], off_out[g][s], off_out[g][s] + bm * bn)
+               for i, s in enumerate(slots[g])]
+      res.append(jnp.stack(parts).reshape((len(parts), bm, bn)))
+    return res, jax.tree.leaves(new)
+
+  kw = _mesh_argument(mesh)
+  outs, new = jax.shard_map(
+      local, in_specs=([_entries(x.shape, sp, axes) for x, sp in zip(moved, splits)],
+                       owned_specs),
+      out_specs=([_entries(sh, sp, axes) for sh, sp in zip(out_shapes, out_splits)],
+                 owned_specs),
+      check_vma=False, **kw)(list(moved), owned_leaves)
+  outs = [o.astype(s.dtype) for o, s in zip(outs, shapes[0])]
+  return outs, jax.tree.unflatten(owned_tree, new)

@@ -16,6 +16,9 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
   replicated, as is every leaf not attributable to a parameter (step counters);
 * a mesh axis is used at most once per spec, and only where the size divides (when a
   ``mesh`` is given);
+* state kept in the owner layout (``rotate(..., owners=P)``, the rotation family's
+  ``owner_layout=mesh``) is split over every mesh axis on its stack axis
+  (role ``owners``);
 * under ``stack_matrices=True`` the structured rule's state belongs to the stacks of
   :mod:`fisher_optax.stacking` (one per parameter of a layer): their matrix axes follow
   their members' specs, their stack axis is replicated.
@@ -33,6 +36,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fisher_optax import matrices, model_dims, routing, stacking
+from fisher_optax.parallel import owners
 
 # Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
 # attribute ({field: role}); undeclared fields are "auto" (matched by size).
@@ -40,6 +44,7 @@ ROLES = ("replicated",    # small per-matrix arrays: tracked r x r states, eigen
          "left_square",   # d x d statistics/bases of the rows side: first axis like the rows
          "right_square",  # ... of the columns side: first axis like the columns
          "rows",          # 1-D per-matrix vectors along the rows (decides square params)
+         "owners",        # stacks kept in the owner layout: leading axis over every mesh axis
          "auto")
 
 
@@ -181,9 +186,13 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
   max_len = max((len(k) for k in by_path), default=0)
 
   roles = field_roles(state)
+  owner_mesh = mesh if mesh is not None else getattr(tx, "info", {}).get("owner_mesh")
 
   def spec_for(path, leaf):
     path = tuple(path)
+    if roles.get(jax.tree_util.keystr(path)) == "owners":
+      # owner-layout stacks (not any one parameter's): split on the stack axis
+      return Owned(None, owners.owned_spec(jax.numpy.shape(leaf), owner_mesh))
     for n in range(min(max_len, len(path)), 0, -1):
       hit = by_path.get(path[-n:])
       if hit is not None:

@@ -1,0 +1,183 @@
+"""State kept in the owner layout across steps: the rotation family with
+``owner_layout=mesh`` (``rotate(..., owners=P)``, ``parallel/owners.py``'s
+``run_owned`` and ``placement``)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fisher_optax as fo
+from benchmarks import collectives
+from fisher_optax.blocks.rotate import rotate
+from fisher_optax.parallel import owners
+from tests import util
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+
+# 8 + 1 matrices of 16 x 32 (9: padded), 4 of 32 x 16, one square, one wide 4 x 64
+# (Eigen-Adam rotates its 4 side where its shards are), a vector on the fallback
+PARAMS = {"stack": (8, 16, 32), "w": (16, 32), "t": (4, 32, 16), "sq": (16, 16),
+          "wide": (4, 64), "b": (16,)}
+SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
+         "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"),
+         "wide": P(None, ("fsdp", "tensor")), "b": P("tensor")}
+DIMS = {k: (None if len(s) < 2 else fo.MatrixDims()) for k, s in PARAMS.items()}
+ROTATION = {"soap": dict(precondition_frequency=2), "eigen_adam": dict(interval=2),
+            "shampoo": dict(interval=2)}
+
+
+def _params():
+  return util.random_tree(PARAMS, 0, 0.1)
+
+
+def _grads(t):
+  return util.random_tree(PARAMS, 100 + 7 * t)
+
+
+def _mesh(explicit=False):
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
+
+
+def _tx(name, owner):
+  return getattr(fo, name)(0.01, dims=DIMS, stack_matrices=False, owner_layout=owner,
+                           **ROTATION[name])
+
+
+def _run(tx, steps, mesh=None, params=None, state=None, start=0):
+  return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
+                          mesh, state, start)
+
+
+def _close(got, want, what, tol=1e-3):
+  util.assert_close_change(got, want, _params(), what, tol)
+
+
+@pytest.mark.parametrize("name", list(ROTATION))
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explicit):
+  """5 steps (refreshes every 2) on the 4 x 2 mesh, the state on its owners: the updates
+  of one device with the state laid out per leaf; the parameters keep their shardings;
+  and on one device the owned state gives those updates too."""
+  mesh = _mesh(explicit)
+  want, _ = _run(_tx(name, False), 5)
+  alone, _ = _run(_tx(name, mesh), 5)
+  _close(alone, want, f"{name}, owned state on one device")
+  with jax.set_mesh(mesh):
+    got, state = _run(_tx(name, mesh), 5, mesh)
+  _close(got, want, f"{name}, owned state on the mesh")
+  spec = (jax.typeof(got["w"]).sharding.spec if explicit else got["w"].sharding.spec)
+  assert spec == SPECS["w"]
+  owned = state.inner_states["structured"].inner_state[0].owned
+  for leaf in jax.tree.leaves(owned.left):
+    assert leaf.shape[0] % 8 == 0
+    assert leaf.sharding.spec == P(("fsdp", "tensor")), leaf.sharding
+
+
+# every matrix as the owner layout guesses a two-axis mesh lays it out (Megatron's
+# column-parallel layout: rows over the first axis, columns over the last)
+GUESSED = {**SPECS, "t": P(None, "fsdp", "tensor"), "sq": P("fsdp", "tensor"),
+           "wide": P("fsdp", "tensor")}
+
+
+def _compiled(tx, mesh, specs=GUESSED):
+  params = _params()
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
+  state = jax.eval_shape(tx.init, params)
+  shaped = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+  with jax.set_mesh(mesh):
+    return step.lower(shaped(params, p_sh), shaped(state, s_sh),
+                      shaped(params, p_sh)).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_owned_state_refreshes_and_updates_with_two_all_to_alls(name):
+  """Both sides rotated, every matrix to an owner: an ordinary step and a refresh step
+  each send exactly the two exchanges (gradients to the owners, updates back) and less
+  than the parameter layout does; the refresh adds nothing (its decompositions are
+  local to the owners). Where the parameters' layout is not the one the owner layout
+  guesses, XLA reshards on the way, and the update still sends less."""
+  mesh = _mesh()
+  on, off = _compiled(_tx(name, mesh), mesh), _compiled(_tx(name, False), mesh)
+  ordinary, _ = collectives.traffic(on, 8, refresh=False)
+  refresh, _ = collectives.traffic(on, 8, refresh=True)
+  before, _ = collectives.traffic(off, 8, refresh=True)
+  assert ordinary.collectives == refresh.collectives == 2, (ordinary, refresh)
+  assert set(k for k, v in refresh.sent.items() if v) == {"all-to-all"}, refresh.sent
+  assert refresh.total == ordinary.total < before.total, (refresh.total, before.total)
+  params = sum(int(np.prod(s)) * 4 for s in PARAMS.values())
+  # each way about (P - 1) / P^2 of the bytes, more by the balance of whole matrices
+  assert refresh.total < 0.5 * params, refresh.total / params
+  other = collectives.traffic(_compiled(_tx(name, mesh), mesh, SPECS), 8, refresh=True)[0]
+  assert other.total < collectives.traffic(_compiled(_tx(name, False), mesh, SPECS), 8,
+                                           refresh=True)[0].total
+
+
+def test_placement_balances_whole_matrices_over_the_devices():
+  """Every matrix gets its own slot, each device ``c_g`` slots per group, and the
+  largest load is no more than the larger of the mean and the largest matrix, plus the
+  largest matrix (longest processing time first)."""
+  counts, sizes = [2, 12, 16, 1], [2048 * 128, 128 * 344, 128 * 128, 7]
+  slots, lengths = owners.placement(counts, sizes, 8)
+  load = [0] * 8
+  for g, (sl, n) in enumerate(zip(slots, lengths)):
+    assert n % 8 == 0 and len(set(sl)) == counts[g] and all(0 <= s < n for s in sl)
+    for s in sl:
+      load[s // (n // 8)] += sizes[g]
+  total = sum(c * z for c, z in zip(counts, sizes))
+  assert max(load) <= max(total / 8, max(sizes)) + max(sizes)
+  assert max(load) == max(sizes)  # the two 2048-wide matrices alone on their devices
+
+
+def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mesh(tmp_path):
+  """SOAP stopped after 2 steps on the 4 x 2 mesh, saved with orbax, restored onto a
+  2 x 2 mesh (4 devices, which divide the stacks: still on owners; the context mesh
+  comes first) and onto one device: both continuations give the uninterrupted
+  single-device run."""
+  from tests.test_sharding import _save
+  mesh = _mesh()
+  tx = _tx("soap", mesh)
+  want, _ = _run(_tx("soap", False), 5)
+  with jax.set_mesh(mesh):
+    p2, s2 = _run(tx, 2, mesh)
+  _save(tmp_path / "ck", p2, s2)
+  small = util.small_mesh()
+  rp, rs = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, small)
+  with jax.set_mesh(small):
+    got, _ = _run(tx, 3, small, params=rp, state=rs, start=2)
+  _close(got, want, "4x2 -> 2x2")
+  rp1, rs1 = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, "one")
+  # the optimizer was built for the 4 x 2 mesh: a context mesh of one device says where
+  # it now runs (without one it would use the mesh it was given)
+  with jax.set_mesh(jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])):
+    got1, _ = _run(tx, 3, params=rp1, state=rs1, start=2)
+  _close(got1, want, "4x2 -> 1")
+
+
+def test_zero_and_nan_gradients_stay_in_their_leaf_with_the_state_on_owners():
+  """A zero gradient leaves its parameter unchanged and a NaN gradient makes only its
+  own leaf NaN, on the mesh as on one device (the padding slots hold zeros)."""
+  mesh = _mesh()
+  util.assert_zero_and_nan_stay_in_their_leaf(_tx("eigen_adam", mesh), PARAMS, _params,
+                                              _grads, SPECS, mesh)
+
+
+def test_describe_counts_the_owned_stacks_with_their_padding():
+  """``fo.describe`` gives each leaf its share of the owned stacks of its size: the
+  single 16 x 16 matrix carries the 7 padding slots of its stack of 8."""
+  mesh = _mesh()
+  rows = {r.path: r for r in fo.describe(_tx("eigen_adam", mesh), _params()).rows}
+  plain = {r.path: r for r in fo.describe(_tx("eigen_adam", False), _params()).rows}
+  assert rows["sq"].state_numbers == 8 * plain["sq"].state_numbers
+  assert rows["wide"].state_numbers == plain["wide"].state_numbers  # rotated in place
+  assert rows["b"].state_numbers == plain["b"].state_numbers
+
+
+def test_owners_is_a_positive_count():
+  with pytest.raises(ValueError, match="owners"):
+    rotate(optax.identity(), owners=0)
