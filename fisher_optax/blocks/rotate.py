@@ -98,10 +98,21 @@ class RotateOwnedState(NamedTuple):
   statistics sends less than moving the matrix), laid out as their parameters, the other
   leaves ``None``."""
   owned: RotateState
-  local: RotateState
+  local: "RotateLocalState"
   # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
-  # leading axis; ``local`` keeps the roles of RotateState
+  # leading axis
   SHARDING = {"owned": "owners"}
+
+
+class RotateLocalState(NamedTuple):
+  """:class:`RotateState` of the leaves ``rotate(..., owners=P)`` rotates where their
+  shards are: the ``d x d`` statistics and bases whole on every device, the moments
+  split on the matrices' larger (unrotated) side over every mesh axis."""
+  count: jax.Array
+  left: RotateSideState
+  right: RotateSideState
+  inner_state: optax.OptState
+  SHARDING = {"left": "replicated", "right": "replicated", "inner_state": "spread"}
 
 
 def _active(view: matrices.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:
@@ -337,7 +348,7 @@ class _Rotation:
               for key, n in zip(keys, lengths)}
     return RotateOwnedState(
         owned=self.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
-        local=self.init(self.local_tree(params, lifted)))
+        local=RotateLocalState(*self.init(self.local_tree(params, lifted))))
 
   def update_owned(self, updates, state, params=None):
     del params
@@ -360,7 +371,12 @@ class _Rotation:
       for i, part in zip(idx, grouping.split(out, starts, sizes)):
         res[i] = part.reshape(lifted.canonical_grads[i].shape)
     here = self.lift(self.local_tree(updates, lifted), canonical=True)
-    out_here, local = self.step(here, state.local)
+    # on the unrotated side over every device: the statistics' products end in one
+    # all-reduce of d x d, and the rotations and the refresh are local
+    here.canonical_grads = [owners.spread(g) for g in here.canonical_grads]
+    with owners.using(None):
+      out_here, local = self.step(here, state.local)
+    out_here = [owners.spread(o) for o in out_here]
     mine = iter(out_here)
     res = [next(mine) if r is None else r for r in res]
     return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local)

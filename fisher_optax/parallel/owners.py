@@ -419,6 +419,43 @@ def _block_layout(shape: tuple, split: list, mesh) -> tuple:
   return block, perm
 
 
+def spread_spec(shape: tuple, mesh) -> P:
+  """The ``PartitionSpec`` of a matrix (stack) rotated where its shards are, on its
+  unrotated side: the strictly larger of its last two axes split over every mesh axis
+  (where the mesh's size divides it), everything else whole; a square one (a ``d x d``
+  statistic or basis) whole."""
+  size = _mesh_size(mesh)
+  if mesh is None or len(shape) < 2 or shape[-1] == shape[-2]:
+    return P()
+  a = len(shape) - 1 if shape[-1] > shape[-2] else len(shape) - 2
+  if shape[a] % size:
+    return P()
+  entries = [None] * len(shape)
+  entries[a] = tuple(mesh.axis_names)
+  return P(*entries)
+
+
+def spread(x: jax.Array) -> jax.Array:
+  """``x`` laid out by :func:`spread_spec` on the owner layout's mesh (as it is where the
+  layout is off). Under FSDP, which splits a matrix's larger side over every device,
+  that is where it already is; under tensor parallelism XLA moves it once here, instead
+  of summing products over a split rotated side."""
+  on = _ACTIVE.get()
+  if on is None:
+    return x
+  spec = spread_spec(x.shape, on.mesh)
+  if spec == P():
+    return x
+  mesh = on.mesh
+  if isinstance(mesh, jax.sharding.Mesh) and getattr(mesh, "explicit_axes", ()):
+    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+  ctx = jax.sharding.get_abstract_mesh()
+  if not ctx.empty:
+    return jax.lax.with_sharding_constraint(x, spec)
+  return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def run_owned(body: Callable[[list, Any], tuple], moved: list, owned: Any, slots: list,
               lengths: list) -> tuple:
   """``body(stacks, owned) -> (outs, new_owned)`` with every matrix on its owner and the

@@ -18,7 +18,8 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
   ``mesh`` is given);
 * state kept in the owner layout (``rotate(..., owners=P)``, the rotation family's
   ``owner_layout=mesh``) is split over every mesh axis on its stack axis
-  (role ``owners``);
+  (role ``owners``); the moments of the matrices that layout rotates where their shards
+  are, on their larger (unrotated) side (role ``spread``);
 * under ``stack_matrices=True`` the structured rule's state belongs to the stacks of
   :mod:`fisher_optax.stacking` (one per parameter of a layer): their matrix axes follow
   their members' specs, their stack axis is replicated.
@@ -45,6 +46,7 @@ ROLES = ("replicated",    # small per-matrix arrays: tracked r x r states, eigen
          "right_square",  # ... of the columns side: first axis like the columns
          "rows",          # 1-D per-matrix vectors along the rows (decides square params)
          "owners",        # stacks kept in the owner layout: leading axis over every mesh axis
+         "spread",        # rotated where their shards are: the larger side over every mesh axis
          "auto")
 
 
@@ -190,14 +192,17 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
 
   def spec_for(path, leaf):
     path = tuple(path)
-    if roles.get(jax.tree_util.keystr(path)) == "owners":
+    role = roles.get(jax.tree_util.keystr(path))
+    if role == "owners":
       # owner-layout stacks (not any one parameter's): split on the stack axis
       return Owned(None, owners.owned_spec(jax.numpy.shape(leaf), owner_mesh))
     for n in range(min(max_len, len(path)), 0, -1):
       hit = by_path.get(path[-n:])
       if hit is not None:
         pshape, pspec, d, owner = hit
-        role = roles.get(jax.tree_util.keystr(path), "auto")
+        if role == "spread":
+          return Owned(owner, owners.spread_spec(jax.numpy.shape(leaf), owner_mesh))
+        role = role or "auto"
         return Owned(owner, _leaf_spec(leaf.shape if hasattr(leaf, "shape") else jax.numpy.shape(leaf), role, pshape, pspec, d, mesh))
     return Owned(None, P())
 
