@@ -93,10 +93,10 @@ class RotateOwnedState(NamedTuple):
   matrix size ``"m x n"``: a stack over every matrix of that size in the tree, padded
   to a multiple of ``P`` (``parallel/owners.py``, ``placement``); under the owner
   layout each device keeps and updates its slice of every stack. ``local``: a
-  :class:`RotateState` of the leaves rotated where their shards are (one side rotated,
-  and that side at most ``1/P`` of the other: the all-reduce of its ``d x d``
-  statistics sends less than moving the matrix), laid out as their parameters, the other
-  leaves ``None``."""
+  :class:`RotateLocalState` of the leaves rotated where their shards are (one side
+  rotated, and that side at most ``1/P`` of the other or the matrix above a device's
+  share: the all-reduce of its ``d x d`` statistics sends less than moving the matrix),
+  the other leaves ``None``."""
   owned: RotateState
   local: "RotateLocalState"
   # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
@@ -306,29 +306,37 @@ class _Rotation:
 
   # ------------------------------------------------- state in the owner layout (owners=P)
 
-  def in_place(self, v: matrices.MatrixView) -> bool:
-    """Whether a matrix is rotated where its shards are under ``owners=P``: one side
-    rotated, at most ``1/P`` the size of the other. Its statistics' all-reduce then
-    sends ``d^2`` numbers against the ``2 m n / P`` of moving it to an owner and back."""
-    left, right = _active(v, self.sides, self.max_dim)
-    if left == right:
-      return False
-    d, other = (v.m, v.n) if left else (v.n, v.m)
-    return d * self.owners <= other
+  def in_place(self, lifted) -> list:
+    """Per leaf, whether ``owners=P`` rotates it where its shards are: one side rotated
+    (size ``d``, the other ``e``, which ``P`` divides) and either ``d P <= e`` or a
+    matrix larger than a device's share ``1/P`` of all the rotated matrices. Its ``d x d`` statistics'
+    all-reduce then sends less than moving it: ``2 d^2`` against ``2 d e / P`` for an
+    owner, and a matrix above a device's share sets the length of every device's
+    exchange (``parallel/owners.py``, ``run_owned``), so it alone would cost each device
+    about twice its size."""
+    sizes = [v.num_matrices * v.m * v.n for v in lifted.views]
+    share = sum(sizes) / self.owners
+    out = []
+    for v, size in zip(lifted.views, sizes):
+      left, right = _active(v, self.sides, self.max_dim)
+      d, e = (v.m, v.n) if left else (v.n, v.m)
+      out.append(left != right and e % self.owners == 0
+                 and (d * self.owners <= e or size / v.num_matrices > share))
+    return out
 
   def size_groups(self, lifted) -> dict:
     """``{"m x n": [leaf indices]}``: the leaves whose canonical matrices have that size
     and go to owners."""
     groups: dict = {}
-    for i, v in enumerate(lifted.views):
-      if not self.in_place(v):
+    for i, (v, here) in enumerate(zip(lifted.views, self.in_place(lifted))):
+      if not here:
         groups.setdefault(f"{v.m}x{v.n}", []).append(i)
     return groups
 
   def local_tree(self, tree, lifted):
     """``tree`` with the leaves that go to owners replaced by ``None``."""
-    return lifted.unflatten([x if self.in_place(v) else None
-                             for x, v in zip(lifted.leaves, lifted.views)])
+    return lifted.unflatten([x if here else None
+                             for x, here in zip(lifted.leaves, self.in_place(lifted))])
 
   def owned_plan(self, lifted) -> tuple:
     """The owned groups' keys (sorted), members, slots and stack lengths
