@@ -11,7 +11,8 @@ from fisher_optax.alias import (alice, alice0, alice_soap, apollo, apollo_mini,
                                 swan)
 from fisher_optax.blocks import (CompensateState, LowRankTrackState, NormGrowthLimiterState,
                                  OnCoefficientsState, PowerTrackState, RandomProjectState,
-                                 RotateSideState, RotateState, ScaleByBiasCorrectionState,
+                                 RotateLocalState, RotateOwnedState, RotateSideState,
+                                 RotateState, ScaleByBiasCorrectionState,
                                  ScaleByMomentsState, ScaleByMomentumState,
                                  ScaleByRowMomentsState, ScaleByTwoSidedState, Subspace,
                                  SubspaceGuard, compensate, in_subspace, low_rank_track,
@@ -52,7 +53,8 @@ __all__ = [
     "switch", "whiten", "Subspace", "SubspaceGuard", "SubspaceRefresh", "SvdRefresh", "Switch",
     # states
     "CompensateState", "LowRankTrackState", "NormGrowthLimiterState", "OnCoefficientsState",
-    "PowerTrackState", "RandomProjectState", "RotateSideState", "RotateState",
+    "PowerTrackState", "RandomProjectState", "RotateLocalState", "RotateOwnedState",
+    "RotateSideState", "RotateState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByMomentumState",
     "ScaleByRowMomentsState", "ScaleByTwoSidedState",
     # matrix dims, routing, inspection, parallelism

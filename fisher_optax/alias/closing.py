@@ -84,11 +84,15 @@ _COMMON_ARGS = """\
       update is the same and the state untouched. ``"auto"`` uses the context mesh
       (``jax.set_mesh``) when it has several devices, unless its axes are
       ``Explicit`` and the gradients are replicated; ``True`` the context mesh always; a
-      mesh that mesh (for a ``jax.jit`` with shardings and no context mesh). Default
-      ``"auto"`` where it was measured to send less (Muon, NorMuon, SWAN, GaLore, Fira,
-      Alice-0, APOLLO, APOLLO-mini, Eigen-Adam), ``False`` elsewhere (docs: "Sharding and
-      multi-host training", Communication). Give the jitted step ``out_shardings`` for
-      the state (``fo.state_shardings``) so that it keeps its layout from step to step.
+      mesh that mesh where no context mesh is set (for a ``jax.jit`` with shardings).
+      Given a mesh, SOAP, Shampoo and Eigen-Adam also keep their state on the owners
+      from step to step (:class:`~fisher_optax.RotateOwnedState`, padded for the mesh's
+      device count), so that their ordinary steps and refreshes send only the two
+      exchanges. Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
+      SWAN, GaLore, Fira, Alice-0, APOLLO, APOLLO-mini, Eigen-Adam), ``False`` elsewhere
+      (docs: "Sharding and multi-host training", Communication). Give the jitted step
+      ``out_shardings`` for the state (``fo.state_shardings``) so that it keeps its
+      layout from step to step.
     fallback: transformation for the other leaves (default
       ``optax.adam(fallback_learning_rate)`` run in float32), e.g.
       ``optax.adamw(lr, weight_decay=0.1)``.
