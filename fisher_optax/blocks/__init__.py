@@ -14,8 +14,8 @@ from fisher_optax.blocks.subspace import (OnCoefficientsState, Subspace, Subspac
 from fisher_optax.blocks.moments import (ScaleByBiasCorrectionState, ScaleByMomentsState,
                                          scale_by_bias_correction, scale_by_moments)
 from fisher_optax.blocks.two_sided import ScaleByTwoSidedState, scale_by_two_sided
-from fisher_optax.blocks.rotate import (RotateLocalState, RotateOwnedState, RotateSideState,
-                                        RotateState, rotate)
+from fisher_optax.blocks.rotate import RotateSideState, RotateState, rotate
+from fisher_optax.blocks.rotate_owned import RotateLocalState, RotateOwnedState
 from fisher_optax.blocks.random_projection import (RandomProjectState, random_project,
                                                    scale_by_subspace_ratio)
 from fisher_optax.blocks.momentum import ScaleByMomentumState, scale_by_momentum

@@ -59,7 +59,7 @@ import optax
 from optax import tree_utils as otu
 
 from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
-from fisher_optax.parallel import owners
+from fisher_optax.blocks import rotate_owned
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -86,36 +86,9 @@ class RotateState(NamedTuple):
   SHARDING = {"left": "left_square", "right": "right_square"}
 
 
-class RotateOwnedState(NamedTuple):
-  """The state of ``rotate(..., owners=P)``.
-
-  ``owned``: a :class:`RotateState` whose fields are dicts with one entry per canonical
-  matrix size ``"m x n"``: a stack over every matrix of that size in the tree, padded
-  to a multiple of ``P`` (``parallel/owners.py``, ``placement``); under the owner
-  layout each device keeps and updates its slice of every stack. ``local``: a
-  :class:`RotateLocalState` of the leaves rotated where their shards are (one side
-  rotated, and that side at most ``1/P`` of the other or the matrix above a device's
-  share: the all-reduce of its ``d x d`` statistics sends less than moving the matrix),
-  the other leaves ``None``."""
-  owned: RotateState
-  local: "RotateLocalState"
-  # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
-  # leading axis
-  SHARDING = {"owned": "owners"}
-
-
-class RotateLocalState(NamedTuple):
-  """:class:`RotateState` of the leaves ``rotate(..., owners=P)`` rotates where their
-  shards are: the ``d x d`` statistics and bases whole on every device, the moments
-  split on the matrices' larger (unrotated) side over every mesh axis."""
-  count: jax.Array
-  left: RotateSideState
-  right: RotateSideState
-  inner_state: optax.OptState
-  SHARDING = {"left": "replicated", "right": "replicated", "inner_state": "spread"}
-
-
-def _active(view: matrices.MatrixView, sides: str, max_dim: Optional[int]) -> tuple[bool, bool]:
+def active_sides(view: matrices.MatrixView, sides: str,
+                 max_dim: Optional[int]) -> tuple[bool, bool]:
+  """Whether the left (rows) and the right (columns) side of ``view`` are rotated."""
   left = sides in ("left", "both", "smaller")
   right = sides in ("right", "both")
   ok = lambda d: max_dim is None or d <= max_dim
@@ -189,7 +162,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
     max_precond_dim: sides larger than this are not rotated (``None``: no limit).
     dims: matrix axes per leaf.
     owners: ``None`` (state per leaf, laid out as its parameter) or a device count
-      ``P``: the state in the owner layout across steps (:class:`RotateOwnedState`), every
+      ``P``: the state in the owner layout across steps
+      (:class:`~fisher_optax.RotateOwnedState`, ``blocks/rotate_owned.py``), every
       matrix of the tree with the same canonical size in one stack, padded to a
       multiple of ``P`` with copies of its last matrix. Under the owner layout of a mesh
       of ``P`` devices (:func:`fisher_optax.owner_layout`) the gradients go to their
@@ -214,7 +188,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
                   max_dim=validation.static_int("max_precond_dim", max_precond_dim),
                   dims=dims, owners=owners)
   if owners is not None:
-    return optax.GradientTransformation(cfg.init_owned, cfg.update_owned)
+    return rotate_owned.transformation(cfg)
   return optax.GradientTransformation(cfg.init, cfg.update)
 
 
@@ -236,6 +210,9 @@ class _Rotation:
   dims: matrices.DimsSpec
   owners: Optional[int] = None
 
+  def active(self, v: matrices.MatrixView) -> tuple[bool, bool]:
+    return active_sides(v, self.sides, self.max_dim)
+
   def lift(self, tree, canonical: bool = False) -> lifting.Lifted:
     return lifting.Lifted(tree, self.dims, side="smaller" if self.sides == "smaller" else None,
                            what="rotate", canonical=canonical)
@@ -244,7 +221,7 @@ class _Rotation:
     """Initial statistics (``stats_eps I``), basis (zeros) or eigenvalues (ones) of one
     side of one leaf; ``None`` for a disabled side (or eigenvalues Shampoo alone uses)."""
     d = v.m if side == "left" else v.n
-    if not _active(v, self.sides, self.max_dim)[0 if side == "left" else 1]:
+    if not active_sides(v, self.sides, self.max_dim)[0 if side == "left" else 1]:
       return None
     if kind == "stats":
       return jnp.broadcast_to(self.stats_eps * jnp.eye(d, dtype=jnp.float32),
@@ -303,91 +280,6 @@ class _Rotation:
         eig=lifted.unflatten(eigs[k]))
     return out, type(state)(count=optax.safe_int32_increment(c), left=side("l"),
                             right=side("r"), inner_state=inner_state)
-
-  # ------------------------------------------------- state in the owner layout (owners=P)
-
-  def in_place(self, lifted) -> list:
-    """Per leaf, whether ``owners=P`` rotates it where its shards are: one side rotated
-    (size ``d``, the other ``e``, which ``P`` divides) and either ``d P <= e`` or a
-    matrix larger than a device's share ``1/P`` of all the rotated matrices. Its ``d x d`` statistics'
-    all-reduce then sends less than moving it: ``2 d^2`` against ``2 d e / P`` for an
-    owner, and a matrix above a device's share sets the length of every device's
-    exchange (``parallel/owners.py``, ``run_owned``), so it alone would cost each device
-    about twice its size."""
-    sizes = [v.num_matrices * v.m * v.n for v in lifted.views]
-    share = sum(sizes) / self.owners
-    out = []
-    for v, size in zip(lifted.views, sizes):
-      left, right = _active(v, self.sides, self.max_dim)
-      d, e = (v.m, v.n) if left else (v.n, v.m)
-      out.append(left != right and e % self.owners == 0
-                 and (d * self.owners <= e or size / v.num_matrices > share))
-    return out
-
-  def size_groups(self, lifted) -> dict:
-    """``{"m x n": [leaf indices]}``: the leaves whose canonical matrices have that size
-    and go to owners."""
-    groups: dict = {}
-    for i, (v, here) in enumerate(zip(lifted.views, self.in_place(lifted))):
-      if not here:
-        groups.setdefault(f"{v.m}x{v.n}", []).append(i)
-    return groups
-
-  def local_tree(self, tree, lifted):
-    """``tree`` with the leaves that go to owners replaced by ``None``."""
-    return lifted.unflatten([x if here else None
-                             for x, here in zip(lifted.leaves, self.in_place(lifted))])
-
-  def owned_plan(self, lifted) -> tuple:
-    """The owned groups' keys (sorted), members, slots and stack lengths
-    (``parallel/owners.py``, ``placement``), from the shapes alone."""
-    groups = self.size_groups(lifted)
-    keys = sorted(groups)
-    counts = [sum(lifted.views[i].num_matrices for i in groups[k]) for k in keys]
-    sizes = [lifted.views[groups[k][0]].m * lifted.views[groups[k][0]].n for k in keys]
-    slots, lengths = owners.placement(counts, sizes, self.owners)
-    return keys, groups, slots, lengths
-
-  def init_owned(self, params):
-    lifted = self.lift(params)
-    keys, groups, _, lengths = self.owned_plan(lifted)
-    stacks = {key: jax.ShapeDtypeStruct((n,) + (lifted.views[groups[key][0]].m,
-                                                lifted.views[groups[key][0]].n), jnp.float32)
-              for key, n in zip(keys, lengths)}
-    return RotateOwnedState(
-        owned=self.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
-        local=RotateLocalState(*self.init(self.local_tree(params, lifted))))
-
-  def update_owned(self, updates, state, params=None):
-    del params
-    lifted = self.lift(updates, canonical=True)
-    keys, groups, slots, lengths = self.owned_plan(lifted)
-    flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
-    moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
-
-    def body(whole, st):  # every matrix of the stacks ``whole``, with its state
-      return self.step(lifting.Lifted(dict(zip(keys, whole)), None, what="rotate",
-                                      canonical=True), st)
-
-    outs, owned = (owners.run_owned(body, moved, state.owned, slots, lengths) if keys
-                   else ([], state.owned))
-    res: list = [None] * len(flat)
-    for key, out in zip(keys, outs):
-      idx = groups[key]
-      sizes = [flat[i].shape[0] for i in idx]
-      starts = [sum(sizes[:j]) for j in range(len(idx))]
-      for i, part in zip(idx, grouping.split(out, starts, sizes)):
-        res[i] = part.reshape(lifted.canonical_grads[i].shape)
-    here = self.lift(self.local_tree(updates, lifted), canonical=True)
-    # on the unrotated side over every device: the statistics' products end in one
-    # all-reduce of d x d, and the rotations and the refresh are local
-    here.canonical_grads = [owners.spread(g) for g in here.canonical_grads]
-    with owners.using(None):
-      out_here, local = self.step(here, state.local)
-    out_here = [owners.spread(o) for o in out_here]
-    mine = iter(out_here)
-    res = [next(mine) if r is None else r for r in res]
-    return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local)
 
   def stats_all(self, lifted, st):
     def update(s, g, side):

@@ -166,9 +166,11 @@ def owner_layout(tx, setting: Any = AUTO):
   Every whole-matrix function that ``tx``'s blocks run through
   ``fisher_optax.parallel.owners.map_whole`` (Newton--Schulz, the refreshes'
   decompositions) runs, while ``update`` is traced, on the matrices' owners of the mesh
-  that ``setting`` picks (``resolve_mesh`` in ``fisher_optax.parallel.owners``). ``init`` and the state are
-  ``tx``'s: the layout moves matrices within one update, never the state, so checkpoints,
-  ``fo.state_shardings`` and ``fo.describe`` are those of ``tx``. The named optimizers
+  that ``setting`` picks (``resolve_mesh`` in ``fisher_optax.parallel.owners``).
+  ``init`` and the state are ``tx``'s: this wrapper moves matrices within one update,
+  never the state (a rotation built with ``owners=P``, ``blocks/rotate_owned.py``,
+  keeps its own state on the owners), so checkpoints, ``fo.state_shardings`` and
+  ``fo.describe`` are those of ``tx``. The named optimizers
   apply it (their ``owner_layout=``); a chain of blocks built by hand takes it as
   ``fo.owner_layout(optax.chain(...))``.
 
@@ -215,8 +217,9 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
 
   The parameters' own split is not visible while tracing on ``Auto`` axes, so this is a
   guess that XLA corrects matrix to matrix where it is wrong: on a mesh of one axis,
-  FSDP's (the larger side; the rows of a square matrix); on a mesh of several, Megatron's column-parallel layout (the last mesh axis on the columns, the
-  others on the rows)."""
+  FSDP's (the larger side; the rows of a square matrix); on a mesh of several,
+  Megatron's column-parallel layout (the last mesh axis on the columns, the others on
+  the rows)."""
   if len(shape) < 3:
     return None
   m_axis, n_axis = len(shape) - 2, len(shape) - 1

@@ -203,7 +203,8 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
         if role == "spread":
           return Owned(owner, owners.spread_spec(jax.numpy.shape(leaf), owner_mesh))
         role = role or "auto"
-        return Owned(owner, _leaf_spec(leaf.shape if hasattr(leaf, "shape") else jax.numpy.shape(leaf), role, pshape, pspec, d, mesh))
+        shape = leaf.shape if hasattr(leaf, "shape") else jax.numpy.shape(leaf)
+        return Owned(owner, _leaf_spec(shape, role, pshape, pspec, d, mesh))
     return Owned(None, P())
 
   return jax.tree_util.tree_map_with_path(spec_for, state)

@@ -1,0 +1,149 @@
+"""The rotation block's state in the owner layout across steps: ``rotate(..., owners=P)``.
+
+Every matrix of the tree with the same canonical size is one stack of the state, padded to
+``c P`` slots and placed over the devices (``parallel/owners.py``: ``placement``,
+``run_owned``); under the owner layout of a mesh of ``P`` devices each device keeps its
+slots and updates them with no collective, the gradients coming in and the updates going
+out by one ``all_to_all`` each. The mathematics is :mod:`fisher_optax.blocks.rotate`'s
+``step`` (``rot`` below, the block's settings), run on the stacks: the updates are those of ``owners=None``. Matrices rotated
+on one side that send less where their shards are (:func:`in_place`) keep a per-leaf
+state laid out on their unrotated side.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import grouping, lifting
+from fisher_optax.parallel import owners
+
+
+class RotateOwnedState(NamedTuple):
+  """The state of ``rotate(..., owners=P)``.
+
+  ``owned``: a :class:`RotateState` whose fields are dicts with one entry per canonical
+  matrix size ``"m x n"``: a stack over every matrix of that size in the tree, padded
+  to a multiple of ``P`` (``parallel/owners.py``, ``placement``); under the owner
+  layout each device keeps and updates its slice of every stack. ``local``: a
+  :class:`RotateLocalState` of the leaves rotated where their shards are (one side
+  rotated, and that side at most ``1/P`` of the other or the matrix above a device's
+  share: the all-reduce of its ``d x d`` statistics sends less than moving the matrix),
+  the other leaves ``None``."""
+  owned: Any  # a RotateState
+  local: "RotateLocalState"
+  # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
+  # leading axis
+  SHARDING = {"owned": "owners"}
+
+
+class RotateLocalState(NamedTuple):
+  """:class:`RotateState` of the leaves ``rotate(..., owners=P)`` rotates where their
+  shards are: the ``d x d`` statistics and bases whole on every device, the moments
+  split on the matrices' larger (unrotated) side over every mesh axis."""
+  count: jax.Array
+  left: Any  # RotateSideState
+  right: Any
+  inner_state: optax.OptState
+  SHARDING = {"left": "replicated", "right": "replicated", "inner_state": "spread"}
+
+
+def in_place(rot, lifted) -> list:
+  """Per leaf, whether ``owners=P`` rotates it where its shards are: one side rotated
+  (size ``d``, the other ``e``, which ``P`` divides) and either ``d P <= e`` or a
+  matrix larger than a device's share ``1/P`` of all the rotated matrices. Its ``d x d``
+  statistics' all-reduce then sends less than moving it: ``2 d^2`` against ``2 d e / P`` for an
+  owner, and a matrix above a device's share sets the length of every device's
+  exchange (``parallel/owners.py``, ``run_owned``), so it alone would cost each device
+  about twice its size."""
+  sizes = [v.num_matrices * v.m * v.n for v in lifted.views]
+  share = sum(sizes) / rot.owners
+  out = []
+  for v, size in zip(lifted.views, sizes):
+    left, right = rot.active(v)
+    d, e = (v.m, v.n) if left else (v.n, v.m)
+    out.append(left != right and e % rot.owners == 0
+               and (d * rot.owners <= e or size / v.num_matrices > share))
+  return out
+
+
+def size_groups(rot, lifted) -> dict:
+  """``{"m x n": [leaf indices]}``: the leaves whose canonical matrices have that size
+  and go to owners."""
+  groups: dict = {}
+  for i, (v, here) in enumerate(zip(lifted.views, in_place(rot, lifted))):
+    if not here:
+      groups.setdefault(f"{v.m}x{v.n}", []).append(i)
+  return groups
+
+
+def local_tree(rot, tree, lifted):
+  """``tree`` with the leaves that go to owners replaced by ``None``."""
+  return lifted.unflatten([x if here else None
+                           for x, here in zip(lifted.leaves, in_place(rot, lifted))])
+
+
+def owned_plan(rot, lifted) -> tuple:
+  """The owned groups' keys (sorted), members, slots and stack lengths
+  (``parallel/owners.py``, ``placement``), from the shapes alone."""
+  groups = size_groups(rot, lifted)
+  keys = sorted(groups)
+  counts = [sum(lifted.views[i].num_matrices for i in groups[k]) for k in keys]
+  sizes = [lifted.views[groups[k][0]].m * lifted.views[groups[k][0]].n for k in keys]
+  slots, lengths = owners.placement(counts, sizes, rot.owners)
+  return keys, groups, slots, lengths
+
+
+def init(rot, params) -> RotateOwnedState:
+  """The owned stacks (:func:`owned_plan`) and the per-leaf state of the others."""
+  lifted = rot.lift(params)
+  keys, groups, _, lengths = owned_plan(rot, lifted)
+  stacks = {key: jax.ShapeDtypeStruct((n,) + (lifted.views[groups[key][0]].m,
+                                              lifted.views[groups[key][0]].n), jnp.float32)
+            for key, n in zip(keys, lengths)}
+  return RotateOwnedState(
+      owned=rot.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
+      local=RotateLocalState(*rot.init(local_tree(rot, params, lifted))))
+
+
+def update(rot, updates, state, params=None):
+  """The owned stacks' step on their owners (``run_owned``), the others' where their
+  shards are; the updates in the leaves' layouts."""
+  del params
+  lifted = rot.lift(updates, canonical=True)
+  keys, groups, slots, lengths = owned_plan(rot, lifted)
+  flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
+  moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
+
+  def body(whole, st):  # every matrix of the stacks ``whole``, with its state
+    return rot.step(lifting.Lifted(dict(zip(keys, whole)), None, what="rotate",
+                                    canonical=True), st)
+
+  outs, owned = (owners.run_owned(body, moved, state.owned, slots, lengths) if keys
+                 else ([], state.owned))
+  res: list = [None] * len(flat)
+  for key, out in zip(keys, outs):
+    idx = groups[key]
+    sizes = [flat[i].shape[0] for i in idx]
+    starts = [sum(sizes[:j]) for j in range(len(idx))]
+    for i, part in zip(idx, grouping.split(out, starts, sizes)):
+      res[i] = part.reshape(lifted.canonical_grads[i].shape)
+  here = rot.lift(local_tree(rot, updates, lifted), canonical=True)
+  # on the unrotated side over every device: the statistics' products end in one
+  # all-reduce of d x d, and the rotations and the refresh are local
+  here.canonical_grads = [owners.spread(g) for g in here.canonical_grads]
+  with owners.using(None):
+    out_here, local = rot.step(here, state.local)
+  out_here = [owners.spread(o) for o in out_here]
+  mine = iter(out_here)
+  res = [next(mine) if r is None else r for r in res]
+  return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local)
+
+
+def transformation(rot) -> optax.GradientTransformation:
+  """``rotate``'s transformation for its settings ``rot`` with ``owners`` set."""
+  return optax.GradientTransformation(lambda params: init(rot, params),
+                                      lambda u, s, p=None: update(rot, u, s, p))
