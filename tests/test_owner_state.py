@@ -13,7 +13,7 @@ import fisher_optax as fo
 from benchmarks import collectives
 from fisher_optax.blocks.rotate import rotate
 from fisher_optax.parallel import owners
-from tests import util
+from tests import registry, util
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
 
@@ -89,6 +89,26 @@ GUESSED = {**SPECS, "t": P(None, "fsdp", "tensor"), "sq": P("fsdp", "tensor"),
            "wide": P("fsdp", "tensor")}
 
 
+# SOAP on square matrices: its larger side's statistic is singular after one gradient
+# otherwise, and any basis of that null space is an eigenbasis (tests/test_rotate.py)
+@pytest.mark.parametrize("name,shape", [("soap", (10, 16, 16)), ("eigen_adam", (10, 16, 24)),
+                                        ("shampoo", (10, 16, 24))])
+def test_owned_state_matches_the_dense_float64_reference(name, shape):
+  """10 matrices (padded to 16 slots on 8 devices), 8 steps with refreshes every 3 (SOAP:
+  power-QR after updates 3 and 6): every update on the 4 x 2 mesh, state on the owners,
+  within 2e-4 of the float64 re-derivation (``tests/reference.py``), as on one device."""
+  kw = registry.WITH_REFERENCE[name]
+  grads = util.structured_grads(shape, 8, seed=2)
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = _mesh()
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, stack_matrices=False, owner_layout=mesh,
+                         **kw)
+  got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", "tensor"))
+  for t, (a, b) in enumerate(zip(got, want), start=1):
+    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
+    assert err < 2e-4, f"{name} step {t}: relative error {err:.2e}"
+
+
 def _compiled(tx, mesh, specs=GUESSED, params=None):
   params = _params() if params is None else params
   p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
@@ -146,23 +166,13 @@ def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mes
   2 x 2 mesh (4 devices, which divide the stacks: still on owners; the context mesh
   comes first) and onto one device: both continuations give the uninterrupted
   single-device run."""
-  from tests.test_sharding import _save
   mesh = _mesh()
-  tx = _tx("soap", mesh)
   want, _ = _run(_tx("soap", False), 5)
-  with jax.set_mesh(mesh):
-    p2, s2 = _run(tx, 2, mesh)
-  _save(tmp_path / "ck", p2, s2)
-  small = util.small_mesh()
-  rp, rs = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, small)
-  with jax.set_mesh(small):
-    got, _ = _run(tx, 3, small, params=rp, state=rs, start=2)
+  # built for the 4 x 2 mesh: on one device, a context mesh of that device says where it
+  # now runs
+  got, got1 = util.resume_elsewhere(tmp_path / "ck", _tx("soap", mesh), _run, SPECS, mesh,
+                                    2, 3, one_device_mesh=True)
   _close(got, want, "4x2 -> 2x2")
-  rp1, rs1 = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, "one")
-  # the optimizer was built for the 4 x 2 mesh: a context mesh of one device says where
-  # it now runs (without one it would use the mesh it was given)
-  with jax.set_mesh(jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])):
-    got1, _ = _run(tx, 3, params=rp1, state=rs1, start=2)
   _close(got1, want, "4x2 -> 1")
 
 
@@ -238,3 +248,21 @@ def test_scales_dtypes_and_transport_with_the_state_on_owners(case):
   # per-coordinate scaling magnifies the rounding of small coordinates), 5e-6 (1e18)
   tol = {"bfloat16_params": 5e-3, "bfloat16_transport": 0.1}.get(case, 1e-3)
   util.assert_close_change(got, want, params(), case, tol)
+
+
+def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
+  """A 6 x 10 matrix (neither side a multiple of the 4 x 2 mesh's axes) beside the
+  others: no owner exchange is possible, the stacks are updated where XLA lays them out,
+  and the updates are still one device's."""
+  shapes = {**PARAMS, "odd": (6, 10)}
+  specs = {**SPECS, "odd": P()}
+  dims = {**DIMS, "odd": fo.MatrixDims()}
+  params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  mesh = _mesh()
+  build = lambda owner: fo.eigen_adam(0.01, dims=dims, stack_matrices=False,  # noqa: E731
+                                      owner_layout=owner, interval=2)
+  want, _ = util.run_sharded(build(False), params(), grads, specs, 5)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(build(mesh), params(), grads, specs, 5, mesh)
+  util.assert_close_change(got, want, params(), "odd matrix")

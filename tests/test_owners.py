@@ -165,38 +165,11 @@ def test_orbax_resume_onto_another_mesh_continues_the_owner_layout(tmp_path):
   with orbax, restored onto a 2 x 2 mesh and onto one device: both continuations give
   the uninterrupted single-device run, the refresh at step 5 in the owner layout of the
   new mesh."""
-  from tests.test_sharding import _save
   tx = _tx("galore", interval=4)
   want, _ = _run(tx, 6)
-  mesh = _mesh()
-  with jax.set_mesh(mesh):
-    p2, s2 = _run(tx, 2, mesh)
-  _save(tmp_path / "ck", p2, s2)
-  small = util.small_mesh()
-  rp, rs = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, small)
-  with jax.set_mesh(small):
-    got, _ = _run(tx, 4, small, params=rp, state=rs, start=2)
+  got, got1 = util.resume_elsewhere(tmp_path / "ck", tx, _run, SPECS, _mesh(), 2, 4)
   _close(got, want, "4x2 -> 2x2")
-  rp1, rs1 = util.restore_onto(tmp_path / "ck", tx, p2, s2, SPECS, "one")
-  got1, _ = _run(tx, 4, params=rp1, state=rs1, start=2)
   _close(got1, want, "4x2 -> 1")
-
-
-def _updates_on_mesh(tx, shape, grads, mesh, spec):
-  """Per-step updates of ``tx`` on one leaf of ``shape`` laid out as ``spec`` (float64)."""
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  sh = {"w": NamedSharding(mesh, spec)}
-  s_sh = fo.state_shardings(tx, params, {"w": spec}, mesh)
-  state = jax.jit(tx.init, out_shardings=s_sh)(jax.device_put(params, sh))
-  with jax.set_mesh(mesh):
-    step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
-    step = step.lower(params, state, params).compile()
-  out = []
-  for g in grads:
-    u, state = step(jax.device_put({"w": jnp.asarray(g, jnp.float32)}, sh), state,
-                    jax.device_put(params, sh))
-    out.append(np.asarray(u["w"], np.float64))
-  return out
 
 
 # bfloat16 bases (GaLore's refresh results) leave the reference far behind: a bound of 1
@@ -215,7 +188,7 @@ def test_bfloat16_transport_against_the_float64_reference(name, bound):
   for label, dtype in (("float32", None), ("bfloat16", jnp.bfloat16)):
     tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw,
                            owner_layout=fo.OwnerLayout(transport_dtype=dtype))
-    got = _updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", "tensor"))
+    got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", "tensor"))
     errors[label] = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
   print(f"\n{name}: largest relative error against float64, transport float32 "
         f"{errors['float32']:.1e}, bfloat16 {errors['bfloat16']:.1e}")

@@ -220,3 +220,46 @@ def assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mes
     else:
       assert np.isnan(np.asarray(sharded[leaf])).all()
       assert np.isfinite(np.asarray(sharded[other])).all()
+
+
+def updates_on_mesh(tx, shape, grads, mesh, spec):
+  """Per-step updates of ``tx`` on one leaf of ``shape`` laid out as ``spec`` on ``mesh``
+  (the context mesh while compiling; state laid out by ``fo.state_shardings``), as
+  float64 arrays."""
+  from jax.sharding import NamedSharding
+  params = {"w": jnp.zeros(shape, jnp.float32)}
+  sh = {"w": NamedSharding(mesh, spec)}
+  s_sh = fo.state_shardings(tx, params, {"w": spec}, mesh)
+  state = jax.jit(tx.init, out_shardings=s_sh)(jax.device_put(params, sh))
+  with jax.set_mesh(mesh):
+    step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
+    step = step.lower(params, state, params).compile()
+  out = []
+  for g in grads:
+    u, state = step(jax.device_put({"w": jnp.asarray(g, jnp.float32)}, sh), state,
+                    jax.device_put(params, sh))
+    out.append(np.asarray(u["w"], np.float64))
+  return out
+
+
+def resume_elsewhere(path, tx, run, specs, mesh, before, after, one_device_mesh=False):
+  """``before`` steps of ``tx`` on ``mesh`` (``run(tx, steps, mesh, params=, state=,
+  start=)``, the test module's runner), saved with orbax under ``path``, restored onto
+  :func:`small_mesh` and onto one device, and ``after`` more steps on each: the two
+  continuations' parameters. ``one_device_mesh``: the one-device run under a context mesh
+  of that device (an optimizer built for a mesh runs on it otherwise)."""
+  from tests.test_sharding import _save
+  with jax.set_mesh(mesh):
+    p2, s2 = run(tx, before, mesh)
+  _save(path, p2, s2)
+  small = small_mesh()
+  rp, rs = restore_onto(path, tx, p2, s2, specs, small)
+  with jax.set_mesh(small):
+    got_small, _ = run(tx, after, small, params=rp, state=rs, start=before)
+  rp1, rs1 = restore_onto(path, tx, p2, s2, specs, "one")
+  if one_device_mesh:
+    with jax.set_mesh(jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])):
+      got_one, _ = run(tx, after, params=rp1, state=rs1, start=before)
+  else:
+    got_one, _ = run(tx, after, params=rp1, state=rs1, start=before)
+  return got_small, got_one

@@ -485,16 +485,9 @@ def run_owned(body: Callable[[list, Any], tuple], moved: list, owned: Any, slots
   splits = [None if on is None else _matrix_split(x.shape, on.mesh) for x in moved]
   stacks = list(lengths) + [jnp.shape(x)[0] for x in owned_leaves if jnp.ndim(x)]
   if on is None or any(n % size for n in stacks) or any(sp is None for sp in splits):
-    full = [x if list(sl) == list(range(n)) else
-            jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.asarray(sl)].set(x)
-            for x, sl, n in zip(moved, slots, lengths)]
-    with using(None):
-      outs, new = body(full, owned)
-    return [o if list(sl) == list(range(n)) else o[jnp.asarray(sl)]
-            for o, sl, n in zip(outs, slots, lengths)], new
+    return _run_padded(body, moved, owned, slots, lengths)
   mesh, transport = on
   axes = tuple(mesh.axis_names)
-  grid = tuple(mesh.shape[n] for n in axes)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
   with using(None):
     shapes = jax.eval_shape(body, [jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype)
@@ -502,87 +495,153 @@ def run_owned(body: Callable[[list, Any], tuple], moved: list, owned: Any, slots
   out_shapes = [(len(sl),) + o.shape[1:] for o, sl in zip(shapes[0], slots)]
   out_splits = [_matrix_split(sh, mesh) for sh in out_shapes]
   if any(sp is None for sp in out_splits):
-    raise ValueError(f"run_owned: outputs {out_shapes} do not split over the mesh {grid}")
-  per = [n // size for n in lengths]  # slots per device, per group
-  owner = [[s // c for s in sl] for sl, c in zip(slots, per)]
-  lay_in = [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)]
-  lay_out = [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)]
-
-  def offsets(lays):
-    """Static tables: for each group, the offset of each slot's matrix in its owner's row
-    (every sender's row to one owner has the same layout), and the row length."""
-    at = [[0] * n for n in lengths]
-    fill = [0] * size
-    for g, (block, _) in enumerate(lays):
-      for i, s in enumerate(slots[g]):
-        o = owner[g][i]
-        at[g][s] = fill[o]
-        fill[o] += math.prod(block)
-    return at, max(max(fill), 1)
-
-  off_in, len_in = offsets(lay_in)
-  off_out, len_out = offsets(lay_out)
-  real = [[False] * n for n in lengths]
-  for g, sl in enumerate(slots):
-    for s in sl:
-      real[g][s] = True
+    raise ValueError(f"run_owned: outputs {out_shapes} do not split over the mesh "
+                     f"{dict(mesh.shape)}")
+  plan = _ExchangePlan.make(mesh, slots, lengths,
+                            [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)],
+                            [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)])
   send = lambda x: (x.astype(transport) if transport is not None  # noqa: E731
                     and jnp.issubdtype(x.dtype, jnp.floating) else x)
-  dtypes = [x.dtype for x in moved]
 
   def local(xs, leaves):
     me = jax.lax.axis_index(axes)
-    # gradients to their owners: row o holds this device's blocks of o's matrices
-    rows = []
-    for o in range(size):
-      parts = [send(xs[g][i]).reshape(-1) for g in range(len(xs)) for i in range(len(slots[g]))
-               if owner[g][i] == o]
-      row = jnp.concatenate(parts) if parts else jnp.zeros((0,), send(xs[0]).dtype)
-      rows.append(jnp.pad(row, (0, len_in - row.shape[0])))
-    got = jax.lax.all_to_all(jnp.stack(rows), axes, 0, 0, tiled=True)  # row d: from d
-    whole = []
-    for g, ((bm, bn), perm) in enumerate(lay_in):
-      mine = me * per[g] + jnp.arange(per[g])
-      at = jnp.asarray(off_in[g], jnp.int32)[mine]
-      ok = jnp.asarray(real[g])[mine]
-      take = jax.vmap(lambda a: jax.lax.dynamic_slice_in_dim(got, a, bm * bn, axis=1))(at)
-      m, n = moved[g].shape[1:]
-      mats = take.reshape((per[g],) + grid + (bm, bn))
-      mats = jnp.transpose(mats, [0] + [1 + p for p in perm]).reshape(per[g], m, n)
-      whole.append(jnp.where(ok[:, None, None], mats.astype(dtypes[g]), 0))
+    got = jax.lax.all_to_all(plan.rows_to_owners([send(x) for x in xs]), axes, 0, 0,
+                             tiled=True)  # row d: from device d
+    whole = plan.whole_matrices(got, me, [x.shape[1:] for x in moved],
+                                [x.dtype for x in moved])
     with using(None):
       outs, new = body(whole, jax.tree.unflatten(owned_tree, leaves))
-    # updates back: row d holds d's blocks of this device's matrices
-    back = None
-    for g, ((bm, bn), perm) in enumerate(lay_out):
-      o = send(outs[g])
-      inv = [perm.index(j) for j in range(len(perm))]
-      cut = perm.index(len(grid))  # the mesh axes before it split the rows
-      blocks = o.reshape((per[g],) + tuple(grid[j] for j in perm[:cut]) + (bm,)
-                         + tuple(grid[j] for j in perm[cut + 1:-1]) + (bn,))
-      blocks = jnp.transpose(blocks, [0] + [1 + j for j in inv]).reshape(per[g], size, bm * bn)
-      if back is None:
-        back = jnp.zeros((size, len_out), blocks.dtype)
-      mine = me * per[g] + jnp.arange(per[g])
-      at = jnp.asarray(off_out[g], jnp.int32)[mine]
-      ok = jnp.asarray(real[g])[mine]
-      for j in range(per[g]):
-        put = jax.lax.dynamic_update_slice_in_dim(back, blocks[j], at[j], axis=1)
-        back = jnp.where(ok[j], put, back)
-    got = jax.lax.all_to_all(back, axes, 0, 0, tiled=True)  # row o: from owner o
-    res = []
-    for g, ((bm, bn), _) in enumerate(lay_out):
-      parts = [jax.lax.slice_in_dim(got[owner[g][i]], off_out[g][s], off_out[g][s] + bm * bn)
-               for i, s in enumerate(slots[g])]
-      res.append(jnp.stack(parts).reshape((len(parts), bm, bn)))
-    return res, jax.tree.leaves(new)
+    back = jax.lax.all_to_all(plan.rows_back([send(o) for o in outs], me), axes, 0, 0,
+                              tiled=True)  # row o: from owner o
+    return plan.blocks_back(back), jax.tree.leaves(new)
 
-  kw = _mesh_argument(mesh)
   outs, new = jax.shard_map(
       local, in_specs=([_entries(x.shape, sp, axes) for x, sp in zip(moved, splits)],
                        owned_specs),
       out_specs=([_entries(sh, sp, axes) for sh, sp in zip(out_shapes, out_splits)],
                  owned_specs),
-      check_vma=False, **kw)(list(moved), owned_leaves)
+      check_vma=False, **_mesh_argument(mesh))(list(moved), owned_leaves)
   outs = [o.astype(s.dtype) for o, s in zip(outs, shapes[0])]
   return outs, jax.tree.unflatten(owned_tree, new)
+
+
+def _run_padded(body, moved, owned, slots, lengths) -> tuple:
+  """:func:`run_owned` without owners: ``body`` on the whole stacks, each matrix at its
+  slot and the padding slots zero (the same values, laid out by XLA)."""
+  identity = [list(sl) == list(range(n)) for sl, n in zip(slots, lengths)]
+  full = [x if same else jnp.zeros((n,) + x.shape[1:], x.dtype).at[jnp.asarray(sl)].set(x)
+          for x, sl, n, same in zip(moved, slots, lengths, identity)]
+  with using(None):
+    outs, new = body(full, owned)
+  return [o if same else o[jnp.asarray(sl)]
+          for o, sl, same in zip(outs, slots, identity)], new
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExchangePlan:
+  """The static tables of :func:`run_owned`'s two exchanges, from the shapes alone.
+
+  ``per[g]``: slots per device of group ``g``; ``owner[g][i]``: the device of its matrix
+  ``i``; ``real[g][s]``: whether slot ``s`` holds a matrix; ``lay_in`` / ``lay_out``: per
+  group the block one device holds and the permutation that puts a matrix's blocks back
+  together (:func:`_block_layout`); ``off_in`` / ``off_out``: per group and slot, the
+  offset of that matrix's block in its owner's row (every device's row to one owner has
+  the same layout); ``len_in`` / ``len_out``: the rows' length, the most any owner
+  gets."""
+  grid: tuple
+  slots: list
+  per: list
+  owner: list
+  real: list
+  lay_in: list
+  lay_out: list
+  off_in: list
+  off_out: list
+  len_in: int
+  len_out: int
+
+  @classmethod
+  def make(cls, mesh, slots, lengths, lay_in, lay_out) -> "_ExchangePlan":
+    grid = tuple(mesh.shape[n] for n in mesh.axis_names)
+    size = math.prod(grid)
+    per = [n // size for n in lengths]
+    owner = [[s // c for s in sl] for sl, c in zip(slots, per)]
+
+    def offsets(lays):
+      at = [[0] * n for n in lengths]
+      fill = [0] * size
+      for g, (block, _) in enumerate(lays):
+        for i, s in enumerate(slots[g]):
+          at[g][s] = fill[owner[g][i]]
+          fill[owner[g][i]] += math.prod(block)
+      return at, max(max(fill), 1)
+
+    real = [[False] * n for n in lengths]
+    for g, sl in enumerate(slots):
+      for s in sl:
+        real[g][s] = True
+    (off_in, len_in), (off_out, len_out) = offsets(lay_in), offsets(lay_out)
+    return cls(grid, slots, per, owner, real, lay_in, lay_out, off_in, off_out, len_in,
+               len_out)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.grid)
+
+  def _mine(self, g: int, me, table: list) -> tuple:
+    """This device's slots of group ``g``: their offsets in ``table`` and whether each
+    holds a matrix (run-time values: they depend on the device)."""
+    mine = me * self.per[g] + jnp.arange(self.per[g])
+    return jnp.asarray(table[g], jnp.int32)[mine], jnp.asarray(self.real[g])[mine]
+
+  def rows_to_owners(self, xs: list) -> jax.Array:
+    """``(P, len_in)``: row ``o`` holds this device's blocks of the matrices ``o`` owns."""
+    rows = []
+    for o in range(self.size):
+      parts = [xs[g][i].reshape(-1) for g in range(len(xs)) for i in range(len(self.slots[g]))
+               if self.owner[g][i] == o]
+      row = jnp.concatenate(parts) if parts else jnp.zeros((0,), xs[0].dtype)
+      rows.append(jnp.pad(row, (0, self.len_in - row.shape[0])))
+    return jnp.stack(rows)
+
+  def whole_matrices(self, got: jax.Array, me, shapes: list, dtypes: list) -> list:
+    """The owner's slots of every group, ``(per[g], m, n)``, put together from the rows
+    ``got`` (row ``d`` from device ``d``); padding slots zero."""
+    out = []
+    for g, ((bm, bn), perm) in enumerate(self.lay_in):
+      at, ok = self._mine(g, me, self.off_in)
+      take = jax.vmap(lambda a, bm=bm, bn=bn: jax.lax.dynamic_slice_in_dim(
+          got, a, bm * bn, axis=1))(at)
+      mats = take.reshape((self.per[g],) + self.grid + (bm, bn))
+      mats = jnp.transpose(mats, [0] + [1 + p for p in perm]).reshape(
+          (self.per[g],) + tuple(shapes[g]))
+      out.append(jnp.where(ok[:, None, None], mats.astype(dtypes[g]), 0))
+    return out
+
+  def rows_back(self, outs: list, me) -> jax.Array:
+    """``(P, len_out)``: row ``d`` holds device ``d``'s blocks of this owner's updates."""
+    back = jnp.zeros((self.size, self.len_out), outs[0].dtype)
+    for g, ((bm, bn), perm) in enumerate(self.lay_out):
+      inv = [perm.index(j) for j in range(len(perm))]
+      cut = perm.index(len(self.grid))  # the mesh axes before it split the rows
+      blocks = outs[g].reshape((self.per[g],) + tuple(self.grid[j] for j in perm[:cut])
+                               + (bm,) + tuple(self.grid[j] for j in perm[cut + 1:-1])
+                               + (bn,))
+      blocks = jnp.transpose(blocks, [0] + [1 + j for j in inv]).reshape(
+          self.per[g], self.size, bm * bn)
+      at, ok = self._mine(g, me, self.off_out)
+      for j in range(self.per[g]):
+        put = jax.lax.dynamic_update_slice_in_dim(back, blocks[j], at[j], axis=1)
+        back = jnp.where(ok[j], put, back)
+    return back
+
+  def blocks_back(self, got: jax.Array) -> list:
+    """This device's blocks ``(k_g, m / R_m, n / R_n)`` of every group's updates, in the
+    gradients' order, from the rows ``got`` (row ``o`` from owner ``o``)."""
+    res = []
+    for g, ((bm, bn), _) in enumerate(self.lay_out):
+      parts = [jax.lax.slice_in_dim(got[self.owner[g][i]], self.off_out[g][s],
+                                    self.off_out[g][s] + bm * bn)
+               for i, s in enumerate(self.slots[g])]
+      res.append(jnp.stack(parts).reshape((len(parts), bm, bn)))
+    return res
