@@ -31,8 +31,9 @@ embedding and output layer over the vocabulary -- and FSDP over the rest on the 
 axis) and ``dp`` (replicated parameters: nothing to send). The optimizers are the LLaMA
 example's (``benchmarks/step_time.py``): ``adam`` is ``optax.adam``, ``muon``
 ``optax.contrib.muon``, ``fo_muon`` the library's Muon; the library's run in the
-per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the update traced
-under the mesh as the context mesh (``jax.set_mesh``); ``--owner-layout`` sets their
+per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the optimizer
+built and the update traced under the mesh as the context mesh (``jax.set_mesh``);
+``--owner-layout`` sets their
 ``owner_layout`` (default: each optimizer's own default; ``off``: every matrix's work
 where its shards are, as before the owner layout). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
@@ -312,7 +313,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   params, _ = step_time.abstract_params(preset)
   mesh = make_mesh(layout, devices)
   specs = layout_specs(params, layout, devices)
-  tx = build(name, preset, owner, mesh)
+  with jax.set_mesh(mesh):  # built under the mesh, as a sharded program is set up
+    tx = build(name, preset, owner, mesh)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   s_sh = fo.state_shardings(tx, params, specs, mesh)

@@ -114,7 +114,9 @@ def _want_specs(name, mesh):
   pure = nnx.as_pure(params)
   specs = jax.tree.map(lambda v: P(*v.get_metadata("out_sharding")), params,
                        is_leaf=lambda x: isinstance(x, nnx.Variable))
-  return fo.state_partition_specs(_optimizer(name), pure, nnx.as_pure(specs), mesh=mesh)
+  with jax.set_mesh(mesh):  # built where the recipe builds it (the rotation family's
+    tx = _optimizer(name)   # state is then on the owners)
+  return fo.state_partition_specs(tx, pure, nnx.as_pure(specs), mesh=mesh)
 
 
 def _check_names(name, opt, mesh, *, layout):
@@ -170,7 +172,8 @@ def _bytes(tree, mesh):
 def test_recipe_is_sharded_and_equals_one_device(name, mesh_name):
   """3 steps (refreshes at 1 and 3): the parameters equal one device's; each device holds
   the bytes the state's names say, fewer than a replicated state's (four optimizers by
-  default on the FSDP x tensor mesh; all, and the FSDP mesh, with ``-m slow``)."""
+  default on the FSDP x tensor mesh; all, and the FSDP mesh, with ``-m slow``); the
+  rotation family, built under the mesh, keeps its state on the owners."""
   mesh = _meshes()[mesh_name]
   single, _ = _train(name, None)
   sharded, opt = _train(name, mesh)
@@ -184,3 +187,7 @@ def test_recipe_is_sharded_and_equals_one_device(name, mesh_name):
     assert err <= 1e-3 * change, (name, jax.tree_util.keystr(path), err / change)
   per_device, predicted, total = _bytes(opt.opt_state, mesh)
   assert per_device == predicted < total, (name, per_device, predicted, total)
+  if name in ("soap", "shampoo", "eigen_adam"):  # built under the mesh: state on owners
+    owned = [x for x in jax.tree.leaves(opt.opt_state, is_leaf=lambda x: isinstance(
+        x, fo.RotateOwnedState)) if isinstance(x, fo.RotateOwnedState)]
+    assert len(owned) == 1 and owned[0].load.shape == (len(mesh.devices.flat),), owned

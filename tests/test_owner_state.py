@@ -83,6 +83,66 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
     assert leaf.sharding.spec == P(("fsdp", "tensor")), leaf.sharding
 
 
+def _rotation_state(state):
+  return state.inner_states["structured"].inner_state[0]
+
+
+@pytest.mark.parametrize("name", ["soap", pytest.param("shampoo", marks=pytest.mark.slow),
+                                  pytest.param("eigen_adam", marks=pytest.mark.slow)])
+def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
+  """No ``owner_layout`` given: built under ``jax.set_mesh`` of the 4 x 2 mesh, the
+  optimizer keeps its state on the owners, laid out for 8 devices (every matrix owned
+  once); 5 steps give the updates of the same optimizer built without a mesh (state
+  per leaf) on one device; an ordinary step and a refresh send what they send with
+  ``owner_layout=mesh`` (SOAP, Shampoo: the two exchanges and nothing else)."""
+  build = lambda: getattr(fo, name)(0.01, dims=DIMS, stack_matrices=False,  # noqa: E731
+                                    **ROTATION[name])
+  want, single = _run(build(), 5)
+  assert type(_rotation_state(single)).__name__ == "RotateState"
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    tx = build()
+    got, state = _run(tx, 5, mesh)
+  _close(got, want, f"{name}, default layout on the mesh")
+  rot = _rotation_state(state)
+  assert isinstance(rot, fo.RotateOwnedState) and rot.load.shape == (8,)
+  here = {"b", "wide"} if name == "eigen_adam" else {"b"}  # Eigen-Adam: wide in place
+  assert int(np.sum(rot.load)) == sum(int(np.prod(s)) for k, s in PARAMS.items()
+                                      if k not in here)
+  text, given = _compiled(tx, mesh), _compiled(_tx(name, mesh), mesh)
+  for refresh in (False, True):
+    sent = collectives.traffic(text, 8, refresh=refresh)[0]
+    assert sent == collectives.traffic(given, 8, refresh=refresh)[0], (refresh, sent)
+    if name != "eigen_adam":  # every matrix to its owner (Eigen-Adam: wide in place)
+      assert sent.collectives == 2 and set(k for k, v in sent.sent.items() if v) == {
+          "all-to-all"}, (refresh, sent)
+
+
+def test_without_a_mesh_that_shards_the_matrices_the_default_state_is_per_leaf():
+  """Built with no context mesh, SOAP's default state is per leaf wherever ``init`` runs
+  (its structure is the optimizer's: an abstract state from outside a mesh fits the
+  state made inside one) and its update is the one of ``owner_layout=False``, program
+  for program. Built under a mesh with ``Explicit`` axes, it keeps the state per leaf
+  for parameters replicated over them (data parallelism) and on owners for sharded
+  ones."""
+  params = _params()
+  tx, off = _tx("soap", "auto"), _tx("soap", False)
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(off.init(params))
+  lower = lambda t, p: jax.jit(t.update).lower(p, t.init(p), p).as_text()  # noqa: E731
+  assert lower(tx, params) == lower(off, params)
+  mesh, emesh = _mesh(), _mesh(explicit=True)
+  with jax.set_mesh(mesh):
+    assert jax.tree.structure(jax.eval_shape(tx.init, params)) == \
+        jax.tree.structure(off.init(params))
+  replicated = jax.device_put(params, NamedSharding(emesh, P()))
+  sharded = jax.device_put(params, {k: NamedSharding(emesh, v) for k, v in SPECS.items()})
+  with jax.set_mesh(emesh):
+    tx = _tx("soap", "auto")
+    assert type(_rotation_state(tx.init(replicated))).__name__ == "RotateState"
+    assert lower(tx, replicated) == lower(off, replicated)
+    assert isinstance(_rotation_state(tx.init(sharded)), fo.RotateOwnedState)
+
+
 # every matrix as the owner layout guesses a two-axis mesh lays it out (Megatron's
 # column-parallel layout: rows over the first axis, columns over the last)
 GUESSED = {**SPECS, "t": P(None, "fsdp", "tensor"), "sq": P("fsdp", "tensor"),
@@ -110,14 +170,15 @@ def test_owned_state_matches_the_dense_float64_reference(name, shape):
 
 
 def _compiled(tx, mesh, specs=GUESSED, params=None):
+  """The compiled update under ``jax.set_mesh(mesh)``, its state made and laid out there."""
   params = _params() if params is None else params
   p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
-  s_sh = fo.state_shardings(tx, params, specs, mesh)
-  state = jax.eval_shape(tx.init, params)
   shaped = lambda t, sh: jax.tree.map(  # noqa: E731
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
-  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
   with jax.set_mesh(mesh):
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    state = jax.eval_shape(tx.init, params)
+    step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
     return step.lower(shaped(params, p_sh), shaped(state, s_sh),
                       shaped(params, p_sh)).compile().as_text()
 

@@ -85,12 +85,15 @@ _COMMON_ARGS = """\
       (``jax.set_mesh``) when it has several devices, unless its axes are
       ``Explicit`` and the gradients are replicated; ``True`` the context mesh always; a
       mesh that mesh where no context mesh is set (for a ``jax.jit`` with shardings).
-      Given a mesh, SOAP, Shampoo and Eigen-Adam also keep their state on the owners
-      from step to step (:class:`~fisher_optax.RotateOwnedState`, padded for the mesh's
-      device count), so that their ordinary steps and refreshes send only the two
-      exchanges. Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
-      SWAN, GaLore, Fira, Alice-0, APOLLO, APOLLO-mini, Eigen-Adam), ``False`` elsewhere
-      (docs: "Sharding and multi-host training", Communication). Give the jitted step
+      SOAP, Shampoo and Eigen-Adam also keep their state on the owners from step to
+      step (:class:`~fisher_optax.RotateOwnedState`, padded for the mesh's device
+      count), so that their ordinary steps and refreshes send only the two exchanges:
+      given a mesh, or with ``"auto"``/``True`` when the optimizer is built under a
+      context mesh of several devices (its state's structure is then fixed when it is
+      built; parameters visibly replicated over ``Explicit`` axes keep the per-leaf
+      state). Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
+      SWAN, GaLore, Fira, Alice-0, APOLLO, APOLLO-mini, SOAP, Shampoo, Eigen-Adam),
+      ``False`` elsewhere (docs: "Sharding and multi-host training", Communication). Give the jitted step
       ``out_shardings`` for the state (``fo.state_shardings``) so that it keeps its
       layout from step to step.
     fallback: transformation for the other leaves (default

@@ -73,7 +73,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
          weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
          dims: matrices.DimsSpec = None,
          stack_matrices: Union[bool, str] = "auto",
-         owner_layout: Any = False,
+         owner_layout: Any = "auto",
          fallback: Optional[optax.GradientTransformation] = None,
          fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
          ) -> optax.GradientTransformationExtraArgs:
@@ -123,7 +123,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
             weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
             dims: matrices.DimsSpec = None,
             stack_matrices: Union[bool, str] = "auto",
-            owner_layout: Any = False,
+            owner_layout: Any = "auto",
             fallback: Optional[optax.GradientTransformation] = None,
             fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None
             ) -> optax.GradientTransformationExtraArgs:

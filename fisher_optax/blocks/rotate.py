@@ -51,7 +51,7 @@ State of ``inner`` on a basis change (explicit, by field name):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,7 @@ from optax import tree_utils as otu
 
 from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
 from fisher_optax.blocks import rotate_owned
+from fisher_optax.parallel import owners as owners_lib
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -139,7 +140,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
            reexpress: Sequence[str] = (), permute: Sequence[str] = (),
            eigenvalue_power: Optional[float] = None, stats_eps: float = 0.0,
            max_precond_dim: Optional[int] = 10000, dims: matrices.DimsSpec = None,
-           owners: Optional[int] = None) -> optax.GradientTransformation:
+           owners: Optional[Union[int, str]] = None) -> optax.GradientTransformation:
   """Runs ``inner`` in the eigenbasis of the gradient statistics (module docstring).
 
   Args:
@@ -170,6 +171,12 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       owners and the updates come back (one ``all_to_all`` per mesh axis each way) and
       everything else, refreshes included, is local; elsewhere the same stacks are
       updated where XLA lays them out. The updates are those of ``owners=None``.
+      ``"auto"``: ``P`` is the size of the context mesh (``jax.set_mesh``) when
+      ``rotate`` is called, if it has several devices (``None`` otherwise); ``init``
+      then keeps the state per leaf where the parameters are visibly replicated over
+      that mesh's ``Explicit`` axes. The state records ``P``
+      (:class:`~fisher_optax.RotateOwnedState`'s ``load``), so an update follows the
+      state it is given.
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")
@@ -181,12 +188,16 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   validation.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
   validation.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
   validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
-  validation.check_int("owners", owners, low=1, allow_none=True)
+  from_context = isinstance(owners, str) and owners == "auto"
+  if from_context:
+    owners = owners_lib.build_devices()
+  else:
+    validation.check_int("owners", owners, low=1, allow_none=True)
   cfg = _Rotation(inner=inner, sides=sides, interval=interval, b3=b3, statistics=statistics,
                   refresh=refresh, reexpress=tuple(reexpress), permute=tuple(permute),
                   eigenvalue_power=eigenvalue_power, stats_eps=stats_eps,
                   max_dim=validation.static_int("max_precond_dim", max_precond_dim),
-                  dims=dims, owners=owners)
+                  dims=dims, owners=owners, owners_from_context=from_context)
   if owners is not None:
     return rotate_owned.transformation(cfg)
   return optax.GradientTransformation(cfg.init, cfg.update)
@@ -209,6 +220,7 @@ class _Rotation:
   max_dim: Optional[int]
   dims: matrices.DimsSpec
   owners: Optional[int] = None
+  owners_from_context: bool = False
 
   def active(self, v: matrices.MatrixView) -> tuple[bool, bool]:
     return active_sides(v, self.sides, self.max_dim)

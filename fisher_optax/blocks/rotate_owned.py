@@ -1,4 +1,5 @@
-"""The rotation block's state in the owner layout across steps: ``rotate(..., owners=P)``.
+"""The rotation block's state in the owner layout across steps: ``rotate(..., owners=P)``
+(or ``owners="auto"``: ``P`` read from the context mesh when the optimizer is built).
 
 Every matrix of the tree with the same canonical size is one stack of the state, padded to
 ``c P`` slots and placed over the devices (``parallel/owners.py``: ``placement``,
@@ -32,12 +33,15 @@ class RotateOwnedState(NamedTuple):
   :class:`RotateLocalState` of the leaves rotated where their shards are (one side
   rotated, and that side at most ``1/P`` of the other or the matrix above a device's
   share: the all-reduce of its ``d x d`` statistics sends less than moving the matrix),
-  the other leaves ``None``."""
+  the other leaves ``None``. ``load``: the numbers each of the ``P`` devices owns
+  (``int32 (P,)``, the placement's balance; its length is the device count the stacks
+  are padded for, which the updates read)."""
   owned: Any  # a RotateState
   local: "RotateLocalState"
+  load: jax.Array
   # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
   # leading axis
-  SHARDING = {"owned": "owners"}
+  SHARDING = {"owned": "owners", "load": "replicated"}
 
 
 class RotateLocalState(NamedTuple):
@@ -51,7 +55,7 @@ class RotateLocalState(NamedTuple):
   SHARDING = {"left": "replicated", "right": "replicated", "inner_state": "spread"}
 
 
-def in_place(rot, lifted) -> list:
+def in_place(rot, lifted, devices: int) -> list:
   """Per leaf, whether ``owners=P`` rotates it where its shards are: one side rotated
   (size ``d``, the other ``e``, which ``P`` divides) and either ``d P <= e`` or a
   matrix larger than a device's share ``1/P`` of all the rotated matrices. Its ``d x d``
@@ -60,61 +64,85 @@ def in_place(rot, lifted) -> list:
   exchange (``parallel/owners.py``, ``run_owned``), so it alone would cost each device
   about twice its size."""
   sizes = [v.num_matrices * v.m * v.n for v in lifted.views]
-  share = sum(sizes) / rot.owners
+  share = sum(sizes) / devices
   out = []
   for v, size in zip(lifted.views, sizes):
     left, right = rot.active(v)
     d, e = (v.m, v.n) if left else (v.n, v.m)
-    out.append(left != right and e % rot.owners == 0
-               and (d * rot.owners <= e or size / v.num_matrices > share))
+    out.append(left != right and e % devices == 0
+               and (d * devices <= e or size / v.num_matrices > share))
   return out
 
 
-def size_groups(rot, lifted) -> dict:
+def size_groups(rot, lifted, devices: int) -> dict:
   """``{"m x n": [leaf indices]}``: the leaves whose canonical matrices have that size
   and go to owners."""
   groups: dict = {}
-  for i, (v, here) in enumerate(zip(lifted.views, in_place(rot, lifted))):
+  for i, (v, here) in enumerate(zip(lifted.views, in_place(rot, lifted, devices))):
     if not here:
       groups.setdefault(f"{v.m}x{v.n}", []).append(i)
   return groups
 
 
-def local_tree(rot, tree, lifted):
+def local_tree(rot, tree, lifted, devices: int):
   """``tree`` with the leaves that go to owners replaced by ``None``."""
-  return lifted.unflatten([x if here else None
-                           for x, here in zip(lifted.leaves, in_place(rot, lifted))])
+  here = in_place(rot, lifted, devices)
+  return lifted.unflatten([x if h else None for x, h in zip(lifted.leaves, here)])
 
 
-def owned_plan(rot, lifted) -> tuple:
-  """The owned groups' keys (sorted), members, slots and stack lengths
-  (``parallel/owners.py``, ``placement``), from the shapes alone."""
-  groups = size_groups(rot, lifted)
+def owned_plan(rot, lifted, devices: int) -> tuple:
+  """The owned groups' keys (sorted), members, slots, stack lengths and each device's
+  load (``parallel/owners.py``, ``placement``), from the shapes alone."""
+  groups = size_groups(rot, lifted, devices)
   keys = sorted(groups)
   counts = [sum(lifted.views[i].num_matrices for i in groups[k]) for k in keys]
   sizes = [lifted.views[groups[k][0]].m * lifted.views[groups[k][0]].n for k in keys]
-  slots, lengths = owners.placement(counts, sizes, rot.owners)
-  return keys, groups, slots, lengths
+  slots, lengths = owners.placement(counts, sizes, devices)
+  load = [0] * devices
+  for sl, n, size in zip(slots, lengths, sizes):
+    for s in sl:
+      load[s // (n // devices)] += size
+  return keys, groups, slots, lengths, load
 
 
-def init(rot, params) -> RotateOwnedState:
-  """The owned stacks (:func:`owned_plan`) and the per-leaf state of the others."""
+def devices_for(rot, params):
+  """The device count ``init`` lays the state out for (``None``: per leaf, as
+  ``owners=None``): ``owners``, except where it came from the context mesh
+  (``owners="auto"``) and ``init`` sees the parameters replicated over that mesh's
+  ``Explicit`` axes (``parallel/owners.py``, ``visibly_replicated``)."""
+  if rot.owners_from_context and owners.visibly_replicated(params):
+    return None
+  return rot.owners
+
+
+def init(rot, params):
+  """The owned stacks (:func:`owned_plan`) and the per-leaf state of the others; the
+  per-leaf state of ``owners=None`` where :func:`devices_for` says so."""
+  devices = devices_for(rot, params)
+  if devices is None:
+    return rot.init(params)
   lifted = rot.lift(params)
-  keys, groups, _, lengths = owned_plan(rot, lifted)
+  keys, groups, _, lengths, load = owned_plan(rot, lifted, devices)
   stacks = {key: jax.ShapeDtypeStruct((n,) + (lifted.views[groups[key][0]].m,
                                               lifted.views[groups[key][0]].n), jnp.float32)
             for key, n in zip(keys, lengths)}
   return RotateOwnedState(
       owned=rot.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
-      local=RotateLocalState(*rot.init(local_tree(rot, params, lifted))))
+      local=RotateLocalState(*rot.init(local_tree(rot, params, lifted, devices))),
+      load=jnp.asarray(load, jnp.int32))
 
 
 def update(rot, updates, state, params=None):
   """The owned stacks' step on their owners (``run_owned``), the others' where their
-  shards are; the updates in the leaves' layouts."""
+  shards are; the updates in the leaves' layouts. The state's ``load`` says the device
+  count it is padded for; a per-leaf state (:func:`devices_for`) takes the per-leaf
+  update of ``owners=None``."""
+  if not isinstance(state, RotateOwnedState):
+    return rot.update(updates, state, params)
   del params
+  devices = state.load.shape[0]  # the state says which device count it is laid out for
   lifted = rot.lift(updates, canonical=True)
-  keys, groups, slots, lengths = owned_plan(rot, lifted)
+  keys, groups, slots, lengths, _ = owned_plan(rot, lifted, devices)
   flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
   moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
 
@@ -131,7 +159,7 @@ def update(rot, updates, state, params=None):
     starts = [sum(sizes[:j]) for j in range(len(idx))]
     for i, part in zip(idx, grouping.split(out, starts, sizes)):
       res[i] = part.reshape(lifted.canonical_grads[i].shape)
-  here = rot.lift(local_tree(rot, updates, lifted), canonical=True)
+  here = rot.lift(local_tree(rot, updates, lifted, devices), canonical=True)
   # on the unrotated side over every device: the statistics' products end in one
   # all-reduce of d x d, and the rotations and the refresh are local
   here.canonical_grads = [owners.spread(g) for g in here.canonical_grads]
@@ -140,7 +168,7 @@ def update(rot, updates, state, params=None):
   out_here = [owners.spread(o) for o in out_here]
   mine = iter(out_here)
   res = [next(mine) if r is None else r for r in res]
-  return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local)
+  return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local, load=state.load)
 
 
 def transformation(rot) -> optax.GradientTransformation:

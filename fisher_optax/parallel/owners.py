@@ -128,17 +128,39 @@ def as_layout(setting: Any) -> Optional[OwnerLayout]:
                    f"fo.OwnerLayout, got {setting!r}")
 
 
-def state_devices(setting: Any) -> Optional[int]:
+def state_devices(setting: Any) -> Any:
   """The device count a block keeps its state in the owner layout for (``None``: state
-  laid out as the parameters): the size of the mesh ``owner_layout=setting`` names (a
-  ``Mesh`` or ``fo.OwnerLayout(mesh=...)``), when it has several devices. A setting
-  without a mesh (``"auto"``, ``True``) picks the mesh at trace time, too late to shape
-  the state, so it keeps the state as the parameters."""
+  laid out as the parameters), read when the optimizer is built: the size of the mesh
+  ``owner_layout=setting`` names (a ``Mesh`` or ``fo.OwnerLayout(mesh=...)``); for a
+  setting without a mesh (``"auto"``, ``True``), ``"auto"``, which the block reads as
+  the context mesh's (:func:`build_devices`). ``None`` for a mesh of one device."""
   layout = as_layout(setting)
-  if layout is None or layout.mesh is None:
+  if layout is None:
     return None
+  if layout.mesh is None:
+    return AUTO
   size = _mesh_size(layout.mesh)
   return size if size > 1 else None
+
+
+def build_devices() -> Optional[int]:
+  """The size of the context mesh (``jax.set_mesh``) where it has several devices, else
+  ``None``: the device count ``owners="auto"`` lays state out for, read when the
+  optimizer is built (as ``stack_matrices="auto"`` reads the backend), so that its
+  state's structure is fixed by the optimizer, the same wherever ``init`` is traced."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or _mesh_size(mesh) < 2:
+    return None
+  return _mesh_size(mesh)
+
+
+def visibly_replicated(params: Any) -> bool:
+  """Whether ``init`` runs under a context mesh with ``Explicit`` axes over none of which
+  a leaf of ``params`` is sharded (replicated data parallelism, visible in the types):
+  state built for owners from the context mesh is then kept per leaf instead."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (not mesh.empty and bool(getattr(mesh, "explicit_axes", ()))
+          and not _sharded(params, mesh))
 
 
 def resolve_mesh(layout: Optional[OwnerLayout], updates: Any) -> Optional[Any]:

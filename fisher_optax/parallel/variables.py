@@ -18,8 +18,11 @@ state leaf that belongs to a parameter a ``Variable`` of that parameter's type a
 metadata, with the names :func:`fisher_optax.state_partition_specs` gives the leaf
 (:func:`fisher_optax.parallel.sharding.owned_specs`): the parameter's own names on a
 leaf of its shape, a basis's fan-in axis the kernel's fan-in name, a layer axis its
-name, ``r x r`` states, eigenvalues and keys none. Leaves that belong to no parameter
-(step counters) stay arrays, as in optax. Nothing here changes a value.
+name, ``r x r`` states, eigenvalues and keys none. Stacks kept on their owner devices
+(the rotation family's state under a mesh) belong to no one parameter: they are boxed
+like the parameters and named by their own spec, their stack axis over every mesh
+axis. Other leaves that belong to no parameter (step counters) stay arrays, as in optax.
+Nothing here changes a value.
 """
 
 from __future__ import annotations
@@ -130,9 +133,16 @@ def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   owned = sharding.owned_specs(tx, state, pure, specs, dims=dims,
                                mesh=_context_mesh([x for x in leaves if is_box(x)]))
 
+  boxed = [x for x in leaves if is_box(x)]
+
   def wrap(leaf, owned_leaf):
     owner = owned_leaf.owner
-    if owner is None or not is_box(leaves[owner]):
+    if owner is None:
+      # state of no one parameter laid out over the mesh (stacks kept on their owners,
+      # ``parallel/owners.py``): boxed like the parameters, named by its own spec
+      return (_named(boxed[0], leaf, owned_leaf.spec)
+              if boxed and tuple(owned_leaf.spec) else leaf)
+    if not is_box(leaves[owner]):
       return leaf
     return _named(leaves[owner], leaf, owned_leaf.spec)
 
