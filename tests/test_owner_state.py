@@ -78,7 +78,7 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
   spec = (jax.typeof(got["w"]).sharding.spec if explicit else got["w"].sharding.spec)
   assert spec == SPECS["w"]
   owned = state.inner_states["structured"].inner_state[0].owned
-  for leaf in jax.tree.leaves(owned.left):
+  for leaf in jax.tree.leaves([o.left for o in owned.values()]):
     assert leaf.shape[0] % 8 == 0
     assert leaf.sharding.spec == P(("fsdp", "tensor")), leaf.sharding
 
@@ -116,6 +116,22 @@ def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
     if name != "eigen_adam":  # every matrix to its owner (Eigen-Adam: wide in place)
       assert sent.collectives == 2 and set(k for k, v in sent.sent.items() if v) == {
           "all-to-all"}, (refresh, sent)
+
+
+def test_a_device_that_owns_none_of_a_size_does_no_work_for_it():
+  """SOAP's one 16 x 16 matrix has a stack of 8 slots, one per device, 7 of them
+  padding: after 3 steps (a refresh at 1) on the mesh, only its owner's slot has a
+  basis; the other devices ran the step on no matrix (an eigendecomposition of their
+  zero statistics would have given them one), yet advanced the stack's step counter
+  with it."""
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    _, state = _run(_tx("soap", mesh), 3, mesh)
+  group = _rotation_state(state).owned["16x16"]
+  bases = np.asarray(group.left.basis["16x16"])
+  assert bases.shape[0] == 8
+  assert [bool(np.abs(b).sum() > 0) for b in bases].count(True) == 1, bases.sum((1, 2))
+  assert int(group.count) == 3
 
 
 def test_without_a_mesh_that_shards_the_matrices_the_default_state_is_per_leaf():
@@ -251,7 +267,8 @@ def test_describe_counts_the_owned_stacks_with_their_padding():
   mesh = _mesh()
   rows = {r.path: r for r in fo.describe(_tx("eigen_adam", mesh), _params()).rows}
   plain = {r.path: r for r in fo.describe(_tx("eigen_adam", False), _params()).rows}
-  assert rows["sq"].state_numbers == 8 * plain["sq"].state_numbers
+  # and the step counter of its stack's state
+  assert rows["sq"].state_numbers == 8 * plain["sq"].state_numbers + 1
   assert rows["wide"].state_numbers == plain["wide"].state_numbers  # rotated in place
   assert rows["b"].state_numbers == plain["b"].state_numbers
 
@@ -272,8 +289,7 @@ def test_a_wide_one_sided_matrix_is_rotated_where_its_shards_are():
   local = specs.inner_states["structured"].inner_state[0].local
   assert local.inner_state.mu["wide"] == P(None, ("fsdp", "tensor"))
   assert local.left.stats["wide"] == P() and local.left.basis["wide"] == P()
-  assert "wide" not in " ".join(specs.inner_states["structured"].inner_state[0].owned.left
-                                .stats)
+  assert "4x64" not in specs.inner_states["structured"].inner_state[0].owned
   only = {"wide": PARAMS["wide"]}
   params = util.random_tree(only, 0, 0.1)
   one = {"wide": P(None, ("fsdp", "tensor"))}

@@ -6,9 +6,13 @@ Every matrix of the tree with the same canonical size is one stack of the state,
 ``run_owned``); under the owner layout of a mesh of ``P`` devices each device keeps its
 slots and updates them with no collective, the gradients coming in and the updates going
 out by one ``all_to_all`` each. The mathematics is :mod:`fisher_optax.blocks.rotate`'s
-``step`` (``rot`` below, the block's settings), run on the stacks: the updates are those of ``owners=None``. Matrices rotated
-on one side that send less where their shards are (:func:`in_place`) keep a per-leaf
-state laid out on their unrotated side.
+``step`` (``rot`` below, the block's settings), run on each size's stack by itself: the
+updates are those of ``owners=None`` (for an inner transformation that treats matrices
+one by one, as Adam does; one that couples all of them, a global-norm clip say, sees
+one size at a time). A device that owns none of a size's matrices runs that size's step
+on no matrix, so padding costs memory, not work. Matrices rotated on one side that send
+less where their shards are (:func:`in_place`) keep a per-leaf state laid out on their
+unrotated side.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ from fisher_optax.parallel import owners
 class RotateOwnedState(NamedTuple):
   """The state of ``rotate(..., owners=P)``.
 
-  ``owned``: a :class:`RotateState` whose fields are dicts with one entry per canonical
-  matrix size ``"m x n"``: a stack over every matrix of that size in the tree, padded
+  ``owned``: a dict with one entry per canonical matrix size ``"m x n"``, the
+  :class:`RotateState` of a stack over every matrix of that size in the tree, padded
   to a multiple of ``P`` (``parallel/owners.py``, ``placement``); under the owner
-  layout each device keeps and updates its slice of every stack. ``local``: a
+  layout each device keeps and updates its slice of every stack, and a device that
+  owns none of a size's matrices does no work for it. ``local``: a
   :class:`RotateLocalState` of the leaves rotated where their shards are (one side
   rotated, and that side at most ``1/P`` of the other or the matrix above a device's
   share: the all-reduce of its ``d x d`` statistics sends less than moving the matrix),
   the other leaves ``None``. ``load``: the numbers each of the ``P`` devices owns
   (``int32 (P,)``, the placement's balance; its length is the device count the stacks
   are padded for, which the updates read)."""
-  owned: Any  # a RotateState
+  owned: Any  # {"m x n": RotateState}
   local: "RotateLocalState"
   load: jax.Array
   # roles for parallel/sharding.py: the owned stacks are split over the mesh on their
@@ -123,11 +128,13 @@ def init(rot, params):
     return rot.init(params)
   lifted = rot.lift(params)
   keys, groups, _, lengths, load = owned_plan(rot, lifted, devices)
-  stacks = {key: jax.ShapeDtypeStruct((n,) + (lifted.views[groups[key][0]].m,
-                                              lifted.views[groups[key][0]].n), jnp.float32)
-            for key, n in zip(keys, lengths)}
+  owned = {}
+  for key, n in zip(keys, lengths):
+    v = lifted.views[groups[key][0]]
+    stack = {key: jax.ShapeDtypeStruct((n, v.m, v.n), jnp.float32)}
+    owned[key] = rot.init_lifted(lifting.Lifted(stack, None, what="rotate"))
   return RotateOwnedState(
-      owned=rot.init_lifted(lifting.Lifted(stacks, None, what="rotate")),
+      owned=owned,
       local=RotateLocalState(*rot.init(local_tree(rot, params, lifted, devices))),
       load=jnp.asarray(load, jnp.int32))
 
@@ -146,12 +153,14 @@ def update(rot, updates, state, params=None):
   flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
   moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
 
-  def body(whole, st):  # every matrix of the stacks ``whole``, with its state
-    return rot.step(lifting.Lifted(dict(zip(keys, whole)), None, what="rotate",
-                                    canonical=True), st)
+  def body(g, stack, st):  # the matrices of one size, with their state
+    out, st = rot.step(lifting.Lifted({keys[g]: stack}, None, what="rotate",
+                                      canonical=True), st)
+    return out[0], st
 
-  outs, owned = (owners.run_owned(body, moved, state.owned, slots, lengths) if keys
-                 else ([], state.owned))
+  outs, owned = owners.run_owned(body, moved, [state.owned[k] for k in keys], slots,
+                                 lengths)
+  owned = dict(zip(keys, owned))
   res: list = [None] * len(flat)
   for key, out in zip(keys, outs):
     idx = groups[key]
