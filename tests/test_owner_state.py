@@ -329,8 +329,9 @@ def test_scales_dtypes_and_transport_with_the_state_on_owners(case):
 
 def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
   """A 6 x 10 matrix (neither side a multiple of the 4 x 2 mesh's axes) beside the
-  others: no owner exchange is possible, the stacks are updated where XLA lays them out,
-  and the updates are still one device's."""
+  others: its stack cannot go to owners and is updated where XLA lays it out, the
+  other sizes still go to their owners (the update sends all-to-alls), and the updates
+  are still one device's."""
   shapes = {**PARAMS, "odd": (6, 10)}
   specs = {**SPECS, "odd": P()}
   dims = {**DIMS, "odd": fo.MatrixDims()}
@@ -343,3 +344,12 @@ def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(build(mesh), params(), grads, specs, 5, mesh)
   util.assert_close_change(got, want, params(), "odd matrix")
+  # SOAP (every other matrix to its owner): the two exchanges, a small all-reduce, and
+  # a small fraction of what the per-leaf layout sends
+  soap = lambda owner: fo.soap(0.01, dims=dims, stack_matrices=False,  # noqa: E731
+                               owner_layout=owner, precondition_frequency=2)
+  sent = [collectives.traffic(_compiled(soap(owner), mesh, {**GUESSED, "odd": P()},
+                                        params()), 8, refresh=True)[0]
+          for owner in (mesh, False)]
+  assert sent[0].count["all-to-all"] == 2, sent[0]
+  assert sent[0].total < 0.1 * sent[1].total, (sent[0].total, sent[1].total)

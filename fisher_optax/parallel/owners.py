@@ -494,25 +494,52 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   alike for any number of matrices (step counters). Returns the real matrices' results
   in the gradients' layout and order, and the new states.
 
-  Under the owner layout, where the device count divides every ``lengths[g]``, inside
-  ``jax.shard_map`` each device packs the blocks it holds of the matrices device ``o``
-  owns into row ``o`` of one buffer, one ``all_to_all`` over all mesh axes delivers the
-  rows, and each owner puts its matrices together and runs ``body`` on its own slots
-  and state with no collective (a device that owns none of a group's matrices runs it
-  on none: its padding slots keep their state and cost no work), and sends the
-  results back the same way: each device sends about ``2/P`` of the matrices' bytes per
-  update and no padding slot travels. Elsewhere ``body`` runs on each group's real
-  matrices, taken from and put back into their slots of the state."""
+  Under the owner layout, for the groups whose slots the device count divides and whose
+  matrices the mesh splits, inside ``jax.shard_map`` each device packs the blocks it
+  holds of the matrices device ``o`` owns into row ``o`` of one buffer, one
+  ``all_to_all`` over all mesh axes delivers the rows, and each owner puts its matrices
+  together and runs ``body`` on its own slots and state with no collective (a device
+  that owns none of a group's matrices runs it on none: padding costs no work), and
+  sends the results back the same way: each device sends about ``2/P`` of the
+  matrices' bytes per update and no padding slot travels. Other groups (and all of
+  them without the owner layout) run ``body`` on their real matrices, taken from and
+  put back into their slots of the state, laid out by XLA."""
   if not moved:
     return [], list(owned)
   on = _ACTIVE.get()
-  owned_leaves, owned_tree = jax.tree.flatten(owned)
-  size = 1 if on is None else _mesh_size(on.mesh)
-  splits = [None if on is None else _matrix_split(x.shape, on.mesh) for x in moved]
-  stacks = list(lengths) + [jnp.shape(x)[0] for x in owned_leaves if jnp.ndim(x)]
-  if on is None or any(n % size for n in stacks) or any(sp is None for sp in splits):
+  if on is None:
     return _run_padded(body, moved, owned, slots, lengths)
-  mesh, transport = on
+  mesh = on.mesh
+  size = _mesh_size(mesh)
+  with using(None):
+    shapes = [jax.eval_shape(lambda x, st, g=g: body(g, x, st),
+                             jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), st)
+              for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
+
+  def movable(g):  # its stacks split over the devices, its matrices over the mesh
+    return (all(jnp.shape(x)[0] % size == 0 for x in jax.tree.leaves(owned[g])
+                if jnp.ndim(x)) and lengths[g] % size == 0
+            and _matrix_split(moved[g].shape, mesh) is not None
+            and _matrix_split((len(slots[g]),) + shapes[g][0].shape[1:], mesh) is not None)
+
+  ways = [[g for g in range(len(moved)) if movable(g)],
+          [g for g in range(len(moved)) if not movable(g)]]
+  outs, new = [None] * len(moved), [None] * len(moved)
+  for way, run in zip(ways, (_run_exchanged, _run_padded)):
+    if way:
+      got = run(lambda i, x, st, way=way: body(way[i], x, st), [moved[g] for g in way],
+                [owned[g] for g in way], [slots[g] for g in way], [lengths[g] for g in way])
+      for g, o, st in zip(way, *got):
+        outs[g], new[g] = o, st
+  return outs, new
+
+
+def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list) -> tuple:
+  """:func:`run_owned` for groups whose stacks the owner layout's mesh splits: one
+  ``all_to_all`` in and one out, inside ``jax.shard_map``."""
+  mesh, transport = _ACTIVE.get()
+  owned_leaves, owned_tree = jax.tree.flatten(owned)
+  splits = [_matrix_split(x.shape, mesh) for x in moved]
   axes = tuple(mesh.axis_names)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
   with using(None):
@@ -521,9 +548,6 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
               for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
   out_shapes = [(len(sl),) + o[0].shape[1:] for o, sl in zip(shapes, slots)]
   out_splits = [_matrix_split(sh, mesh) for sh in out_shapes]
-  if any(sp is None for sp in out_splits):
-    raise ValueError(f"run_owned: outputs {out_shapes} do not split over the mesh "
-                     f"{dict(mesh.shape)}")
   plan = _ExchangePlan.make(mesh, slots, lengths,
                             [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)],
                             [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)])
