@@ -19,7 +19,9 @@ its HLO after SPMD partitioning (``compiled.as_text()``) is read:
 * loops (``while``) multiply their body by XLA's known trip count; a ``conditional``
   counts its cheapest branch on an **ordinary** step and its dearest on a **refresh**
   step (the refreshes are the conditionals' expensive branches);
-* the update's temporary memory per device (``memory_analysis``).
+* the update's temporary memory per device (``memory_analysis``);
+* the optimizer state one device holds, laid out by ``fo.state_shardings`` (padding of
+  state kept on owner devices included).
 
 Each figure is reported against the model's parameter bytes, beside the yardstick: the
 LLaMA example's gradient computation under the same layout (``train step``: FSDP's own
@@ -330,6 +332,10 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   ordinary, unknown = traffic(text, devices, refresh=False)
   refresh, _ = traffic(text, devices, refresh=True)
   temp = compiled.memory_analysis().temp_size_in_bytes
+  # the optimizer state one device holds, laid out as fo.state_shardings says
+  state_bytes = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
+                    for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(
+                        s_sh, is_leaf=lambda z: isinstance(z, NamedSharding))))
   seconds = (time_update(compiled, params, state, p_sh, s_sh, repeats) if repeats
              else None)
   return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
@@ -341,6 +347,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
               refresh_collectives=refresh.collectives,
               by_kind_refresh={k: v / param_bytes for k, v in refresh.sent.items() if v},
               temp_bytes=temp, temp_ratio=temp / param_bytes,
+              state_bytes_per_device=state_bytes,
+              state_ratio=state_bytes / param_bytes,
               loops_without_trip_count=len(unknown))
 
 
@@ -416,7 +424,8 @@ def main(argv=None):
   rows = []
   print(f"{args.preset}, {args.layout}, {args.devices} devices, owner layout "
         f"{args.owner_layout}: bytes sent per device per update / parameter bytes")
-  print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7}")
+  print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7} "
+        f"{'state':>7}")
   names = args.optimizers.split(",")
   if args.time and "adam" not in names:
     names = ["adam"] + names  # the yardstick of the time ratios
@@ -436,7 +445,9 @@ def main(argv=None):
           f" {r['time_ratio_to_adam']:6.2f}x adam" if adam else "")
     print(f"{name:<12} {r['ordinary_ratio']:>8.3f}x {r['refresh_ratio']:>8.3f}x "
           f"{r['ordinary_collectives']:>5} / {r['refresh_collectives']:<5} "
-          f"{r['temp_ratio']:>6.2f}x" + ("  *" if r.get("loops_without_trip_count") else "")
+          f"{r['temp_ratio']:>6.2f}x " + (f"{r['state_ratio']:>6.2f}x" if "state_ratio" in r
+                                           else f"{'':>7}")
+          + ("  *" if r.get("loops_without_trip_count") else "")
           + timed, flush=True)
   if any(r.get("loops_without_trip_count") for r in rows):
     print("* a loop with a run-time trip count, counted once: the figure is a lower bound")

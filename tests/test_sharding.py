@@ -224,10 +224,11 @@ def _free_port():
 
 
 @pytest.mark.slow  # ~100 s on 2 cores; run with `python -m pytest -q -m slow`
-@pytest.mark.parametrize("optimizer", ["alice", pytest.param("galore", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optimizer", ["alice", "galore", "soap"])
 def test_two_process_llama_matches_single_process(tmp_path, optimizer):
   """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices; GaLore's
-  refreshes in the owner layout (on by default under the example's context mesh)."""
+  refreshes in the owner layout and SOAP's state on the owners (on by default under the
+  example's context mesh: the owners span both processes)."""
   common = ["--preset", "tiny", "--optimizer", optimizer, "--steps", "4", "--eval-every", "2",
             "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "0",

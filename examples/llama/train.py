@@ -256,6 +256,11 @@ def run(args, *, log=print) -> dict:
   setup = build(args)
   cfg, corpus = setup.cfg, setup.corpus
   mesh = make_mesh(args.mesh)
+  if mesh is not None:
+    # built under the mesh, as a sharded run sets up its optimizer: the rotation family
+    # (SOAP, Shampoo, Eigen-Adam) then keeps its state on the owner devices
+    with jax.set_mesh(mesh):
+      setup.tx = make_tx(args, setup.params, setup.lr)
   if mesh is None:
     p_sh = s_sh = batch_sh = None
   else:
@@ -283,9 +288,10 @@ def run(args, *, log=print) -> dict:
 
   start, rows, wall = 0, [], 0.0
   if args.resume and ckpt.latest() is not None:
-    other = (make_tx(args, setup.params, setup.lr,
-                     stack_matrices=not fo.stacking.is_stacked(setup.tx))
-             if isinstance(setup.tx, fo.routing.RoutedTransformation) else None)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      other = (make_tx(args, setup.params, setup.lr,
+                       stack_matrices=not fo.stacking.is_stacked(setup.tx))
+               if isinstance(setup.tx, fo.routing.RoutedTransformation) else None)
     other_sh = (fo.state_shardings(other, setup.params, specs, mesh)
                 if other is not None and mesh is not None else None)
     params, opt_state, start, converted = ckpt.restore_any_layout(params, opt_state,
