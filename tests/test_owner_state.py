@@ -27,6 +27,11 @@ SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
 DIMS = {k: (None if len(s) < 2 else fo.MatrixDims()) for k, s in PARAMS.items()}
 ROTATION = {"soap": dict(precondition_frequency=2), "eigen_adam": dict(interval=2),
             "shampoo": dict(interval=2)}
+# where updates are compared, SOAP rotates the wide matrix's 4 side only: its 64 x 64
+# statistic has rank 4 or so after a step, a basis of that null space is arbitrary, and
+# runs that batch their decompositions differently differ there (3.3e-3 of the change
+# at XLA:CPU's own optimization level, measured; tests/test_rotate.py)
+EQUAL = {"soap": dict(max_precond_dim=32)}
 
 
 def _params():
@@ -42,9 +47,11 @@ def _mesh(explicit=False):
   return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
 
 
-def _tx(name, owner):
+def _tx(name, owner, equal=False):
+  """``name`` with ``owner_layout=owner``; ``equal``: the settings its updates are
+  compared with (``EQUAL``)."""
   return getattr(fo, name)(0.01, dims=DIMS, stack_matrices=False, owner_layout=owner,
-                           **ROTATION[name])
+                           **ROTATION[name], **(EQUAL.get(name, {}) if equal else {}))
 
 
 def _run(tx, steps, mesh=None, params=None, state=None, start=0):
@@ -69,11 +76,11 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
   of one device with the state laid out per leaf; the parameters keep their shardings;
   and on one device the owned state gives those updates too."""
   mesh = _mesh(explicit)
-  want, _ = _run(_tx(name, False), 5)
-  alone, _ = _run(_tx(name, mesh), 5)
+  want, _ = _run(_tx(name, False, equal=True), 5)
+  alone, _ = _run(_tx(name, mesh, equal=True), 5)
   _close(alone, want, f"{name}, owned state on one device")
   with jax.set_mesh(mesh):
-    got, state = _run(_tx(name, mesh), 5, mesh)
+    got, state = _run(_tx(name, mesh, equal=True), 5, mesh)
   _close(got, want, f"{name}, owned state on the mesh")
   spec = (jax.typeof(got["w"]).sharding.spec if explicit else got["w"].sharding.spec)
   assert spec == SPECS["w"]
@@ -94,9 +101,9 @@ def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
   optimizer keeps its state on the owners, laid out for 8 devices (every matrix owned
   once); 5 steps give the updates of the same optimizer built without a mesh (state
   per leaf) on one device; an ordinary step and a refresh send what they send with
-  ``owner_layout=mesh`` (SOAP, Shampoo: the two exchanges and nothing else)."""
+  ``owner_layout=mesh`` (Shampoo: the two exchanges and nothing else)."""
   build = lambda: getattr(fo, name)(0.01, dims=DIMS, stack_matrices=False,  # noqa: E731
-                                    **ROTATION[name])
+                                    **ROTATION[name], **EQUAL.get(name, {}))
   want, single = _run(build(), 5)
   assert type(_rotation_state(single)).__name__ == "RotateState"
   mesh = _mesh()
@@ -106,14 +113,14 @@ def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
   _close(got, want, f"{name}, default layout on the mesh")
   rot = _rotation_state(state)
   assert isinstance(rot, fo.RotateOwnedState) and rot.load.shape == (8,)
-  here = {"b", "wide"} if name == "eigen_adam" else {"b"}  # Eigen-Adam: wide in place
+  here = {"b"} if name == "shampoo" else {"b", "wide"}  # one-sided wide: in place
   assert int(np.sum(rot.load)) == sum(int(np.prod(s)) for k, s in PARAMS.items()
                                       if k not in here)
-  text, given = _compiled(tx, mesh), _compiled(_tx(name, mesh), mesh)
+  text, given = _compiled(tx, mesh), _compiled(_tx(name, mesh, equal=True), mesh)
   for refresh in (False, True):
     sent = collectives.traffic(text, 8, refresh=refresh)[0]
     assert sent == collectives.traffic(given, 8, refresh=refresh)[0], (refresh, sent)
-    if name != "eigen_adam":  # every matrix to its owner (Eigen-Adam: wide in place)
+    if name == "shampoo":  # every matrix to its owner (the others: wide in place)
       assert sent.collectives == 2 and set(k for k, v in sent.sent.items() if v) == {
           "all-to-all"}, (refresh, sent)
 
@@ -244,11 +251,11 @@ def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mes
   comes first) and onto one device: both continuations give the uninterrupted
   single-device run."""
   mesh = _mesh()
-  want, _ = _run(_tx("soap", False), 5)
+  want, _ = _run(_tx("soap", False, equal=True), 5)
   # built for the 4 x 2 mesh: on one device, a context mesh of that device says where it
   # now runs
-  got, got1 = util.resume_elsewhere(tmp_path / "ck", _tx("soap", mesh), _run, SPECS, mesh,
-                                    2, 3, one_device_mesh=True)
+  got, got1 = util.resume_elsewhere(tmp_path / "ck", _tx("soap", mesh, equal=True), _run,
+                                    SPECS, mesh, 2, 3, one_device_mesh=True)
   _close(got, want, "4x2 -> 2x2")
   _close(got1, want, "4x2 -> 1")
 
