@@ -175,11 +175,12 @@ GUESSED = {**SPECS, "t": P(None, "fsdp", "tensor"), "sq": P("fsdp", "tensor"),
 # SOAP on square matrices: its larger side's statistic is singular after one gradient
 # otherwise, and any basis of that null space is an eigenbasis (tests/test_rotate.py)
 @pytest.mark.parametrize("name,shape", [("soap", (10, 16, 16)), ("eigen_adam", (10, 16, 24)),
-                                        ("shampoo", (10, 16, 24))])
+                                        ("shampoo", (10, 16, 24)), ("shampoo", (3, 16, 24))])
 def test_owned_state_matches_the_dense_float64_reference(name, shape):
-  """10 matrices (padded to 16 slots on 8 devices), 8 steps with refreshes every 3 (SOAP:
-  power-QR after updates 3 and 6): every update on the 4 x 2 mesh, state on the owners,
-  within 2e-4 of the float64 re-derivation (``tests/reference.py``), as on one device."""
+  """10 matrices (padded to 16 slots on 8 devices), or 3 (5 devices own none and run
+  the step on no matrix), 8 steps with refreshes every 3 (SOAP: power-QR after updates
+  3 and 6): every update on the 4 x 2 mesh, state on the owners, within 2e-4 of the
+  float64 re-derivation (``tests/reference.py``), as on one device."""
   kw = registry.WITH_REFERENCE[name]
   grads = util.structured_grads(shape, 8, seed=2)
   want = util.run_reference(name, shape, grads, **kw)

@@ -93,9 +93,9 @@ _COMMON_ARGS = """\
       built; parameters visibly replicated over ``Explicit`` axes keep the per-leaf
       state). Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
       SWAN, GaLore, Fira, Alice-0, APOLLO, APOLLO-mini, SOAP, Shampoo, Eigen-Adam),
-      ``False`` elsewhere (docs: "Sharding and multi-host training", Communication). Give the jitted step
-      ``out_shardings`` for the state (``fo.state_shardings``) so that it keeps its
-      layout from step to step.
+      ``False`` elsewhere (docs: "Sharding and multi-host training", Communication).
+      Give the jitted step ``out_shardings`` for the state (``fo.state_shardings``) so
+      that it keeps its layout from step to step.
     fallback: transformation for the other leaves (default
       ``optax.adam(fallback_learning_rate)`` run in float32), e.g.
       ``optax.adamw(lr, weight_decay=0.1)``.

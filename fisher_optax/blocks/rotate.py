@@ -60,7 +60,6 @@ from optax import tree_utils as otu
 
 from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
 from fisher_optax.blocks import rotate_owned
-from fisher_optax.parallel import owners as owners_lib
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -171,12 +170,9 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       owners and the updates come back (one ``all_to_all`` per mesh axis each way) and
       everything else, refreshes included, is local; elsewhere the same stacks are
       updated where XLA lays them out. The updates are those of ``owners=None``.
-      ``"auto"``: ``P`` is the size of the context mesh (``jax.set_mesh``) when
-      ``rotate`` is called, if it has several devices (``None`` otherwise); ``init``
-      then keeps the state per leaf where the parameters are visibly replicated over
-      that mesh's ``Explicit`` axes. The state records ``P``
-      (:class:`~fisher_optax.RotateOwnedState`'s ``load``), so an update follows the
-      state it is given.
+      ``"auto"``: the context mesh's size when ``rotate`` is called
+      (``blocks/rotate_owned.py``: ``resolve``, ``devices_for``). The state records
+      ``P`` (``RotateOwnedState.load``): an update follows the state it is given.
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")
@@ -188,11 +184,7 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
   validation.check_range("b3", b3, low=0.0, high=1.0, allow_none=True)
   validation.check_range("stats_eps", stats_eps, low=0.0, high=float("inf"))
   validation.check_int("max_precond_dim", max_precond_dim, low=1, allow_none=True)
-  from_context = isinstance(owners, str) and owners == "auto"
-  if from_context:
-    owners = owners_lib.build_devices()
-  else:
-    validation.check_int("owners", owners, low=1, allow_none=True)
+  owners, from_context = rotate_owned.resolve(owners)
   cfg = _Rotation(inner=inner, sides=sides, interval=interval, b3=b3, statistics=statistics,
                   refresh=refresh, reexpress=tuple(reexpress), permute=tuple(permute),
                   eigenvalue_power=eigenvalue_power, stats_eps=stats_eps,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import grouping, lifting
+from fisher_optax import grouping, lifting, validation
 from fisher_optax.parallel import owners
 
 
@@ -108,6 +108,17 @@ def owned_plan(rot, lifted, devices: int) -> tuple:
     for s in sl:
       load[s // (n // devices)] += size
   return keys, groups, slots, lengths, load
+
+
+def resolve(setting) -> tuple:
+  """``rotate``'s ``owners`` as ``(P or None, whether P came from the context mesh)``:
+  ``"auto"`` reads the context mesh when the optimizer is built
+  (``parallel/owners.py``, ``build_devices``); anything else must be ``None`` or a
+  positive count."""
+  if isinstance(setting, str) and setting == owners.AUTO:
+    return owners.build_devices(), True
+  validation.check_int("owners", setting, low=1, allow_none=True)
+  return setting, False
 
 
 def devices_for(rot, params):

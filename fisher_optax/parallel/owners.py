@@ -511,10 +511,7 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
     return _run_padded(body, moved, owned, slots, lengths)
   mesh = on.mesh
   size = _mesh_size(mesh)
-  with using(None):
-    shapes = [jax.eval_shape(lambda x, st, g=g: body(g, x, st),
-                             jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), st)
-              for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
+  shapes = _body_shapes(body, moved, owned, lengths)
 
   def movable(g):  # its stacks split over the devices, its matrices over the mesh
     return (all(jnp.shape(x)[0] % size == 0 for x in jax.tree.leaves(owned[g])
@@ -534,6 +531,14 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   return outs, new
 
 
+def _body_shapes(body, moved: list, owned: list, lengths: list) -> list:
+  """Per group, the shapes ``body`` returns for a stack of its ``lengths[g]`` slots."""
+  with using(None):
+    return [jax.eval_shape(lambda x, st, g=g: body(g, x, st),
+                           jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), st)
+            for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
+
+
 def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list) -> tuple:
   """:func:`run_owned` for groups whose stacks the owner layout's mesh splits: one
   ``all_to_all`` in and one out, inside ``jax.shard_map``."""
@@ -542,10 +547,7 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list) -
   splits = [_matrix_split(x.shape, mesh) for x in moved]
   axes = tuple(mesh.axis_names)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
-  with using(None):
-    shapes = [jax.eval_shape(lambda x, st, g=g: body(g, x, st),
-                             jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), st)
-              for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
+  shapes = _body_shapes(body, moved, owned, lengths)
   out_shapes = [(len(sl),) + o[0].shape[1:] for o, sl in zip(shapes, slots)]
   out_splits = [_matrix_split(sh, mesh) for sh in out_shapes]
   plan = _ExchangePlan.make(mesh, slots, lengths,
