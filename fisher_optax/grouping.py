@@ -124,7 +124,8 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
 
   The results are split back with :func:`split`. ``state``: the results are optimizer
   state (new bases); under the owner layout they come back to every device
-  (:func:`fisher_optax.parallel.owners.map_whole`).
+  (:func:`fisher_optax.parallel.owners.map_whole`), or split as ``layouts`` (given a
+  group's arguments) says.
   """
   # XLA:CPU note: a threefry hash compiles into one large kernel (~0.2 s of compile
   # each), so drawing leaf by leaf made compile time grow with depth; grouped, it grows
@@ -189,7 +190,7 @@ def map_matrices(fn, *args):
       *args, cpu=lambda *a: jax.lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
 
 
-def map_grouped(fn, items: list, *, state: bool = False) -> list:
+def map_grouped(fn, items: list, *, state: bool = False, layouts=None) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -201,7 +202,8 @@ def map_grouped(fn, items: list, *, state: bool = False) -> list:
 
   The results are split back with :func:`split`. ``state``: the results are optimizer
   state (new bases); under the owner layout they come back to every device
-  (:func:`fisher_optax.parallel.owners.map_whole`).
+  (:func:`fisher_optax.parallel.owners.map_whole`), or split as ``layouts`` (given a
+  group's arguments) says.
   """
   out = [None] * len(items)
   starts = group_starts(items)
@@ -210,7 +212,7 @@ def map_grouped(fn, items: list, *, state: bool = False) -> list:
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))]
-    res = owners.map_whole(fn, cat, map_matrices, replicate=state)
+    res = owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts)
     if len(members) == 1:
       out[members[0]] = res
       continue

@@ -181,15 +181,27 @@ class _Tracker:
 
       outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count,
                                                               operand=not on_owners),
-                                  state=True)
+                                  state=True, layouts=self.layouts)
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
       _, us, qs, _ = operands
       return us, qs
 
-    return jax.lax.cond((count % self.interval) == 0, refresh, keep,
-                        (flat_g, flat_u, flat_q, state.key))
+    def pinned(us_qs):  # both branches' layout, so that the conditional's is not XLA's
+      us, qs = us_qs
+      larger = self.side == "larger"
+      return ([owners.pinned_basis(u, g.shape, larger) for u, g in zip(us, flat_g)],
+              owners.pinned(qs))
+
+    return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
+                        lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
+
+  def layouts(self, args):
+    """Under the owner layout, where a refresh's results come back (the state's layout,
+    as the conditional pins it): the basis split by ``owners.basis_split``, the tracked
+    state replicated; ``args``: a group's gradients, bases, ..."""
+    return [owners.basis_split(args[1].shape, args[0].shape, self.side == "larger"), None]
 
   def as_stacks(self, leaves):
     """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""
