@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fisher_optax.parallel import owners
+from fisher_optax.parallel import owners, packed
 
 
 def vmap_batch(fn: Callable[..., Any], nbatch: int) -> Callable[..., Any]:
@@ -207,12 +207,17 @@ def map_grouped(fn, items: list, *, state: bool = False, layouts=None) -> list:
   """
   out = [None] * len(items)
   starts = group_starts(items)
-  for members in _groups(items):
-    cat = [None if items[members[0]][a] is None
+  groups = _groups(items)
+  cats = [[None if items[members[0]][a] is None
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
-           for a in range(len(items[members[0]]))]
-    res = owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts)
+           for a in range(len(items[members[0]]))] for members in groups]
+  # under the owner layout, every group's matrices move in one packed exchange
+  packed_res = (packed.map_packed(fn, cats, map_matrices, replicate=state, layouts=layouts)
+                if owners.active() is not None and groups else None)
+  for n, (members, cat) in enumerate(zip(groups, cats)):
+    res = (packed_res[n] if packed_res is not None else
+           owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts))
     if len(members) == 1:
       out[members[0]] = res
       continue

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from benchmarks import collectives
-from fisher_optax.parallel import owners
+from fisher_optax.parallel import owners, packed
 from tests import registry, util
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
@@ -22,7 +22,7 @@ SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
          "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"), "b": P("tensor")}
 DIMS = {"stack": fo.MatrixDims(), "w": fo.MatrixDims(), "t": fo.MatrixDims(),
         "sq": fo.MatrixDims(), "b": None}
-ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice0", "apollo",
+ON_BY_DEFAULT = ["muon", "normuon", "swan", "galore", "fira", "alice", "alice0", "apollo",
                  "eigen_adam"]
 
 
@@ -72,6 +72,17 @@ def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
   _close(sharded, single, name)
   spec = (jax.typeof(sharded["w"]).sharding.spec if explicit else sharded["w"].sharding.spec)
   assert spec == SPECS["w"]
+
+
+def test_alice_soap_on_owners_gives_the_single_device_updates():
+  """Alice-SOAP keeps the owner layout off by default (under tensor parallelism it sent
+  more); asked for, its two tracked bases refresh on the owners with the updates of
+  one device."""
+  tx = _tx("alice_soap", owner_layout=True)
+  single, _ = _run(tx, 4)
+  with jax.set_mesh(_mesh()):
+    sharded, _ = _run(tx, 4, _mesh())
+  _close(sharded, single, "alice_soap")
 
 
 def _compiled(tx, mesh, specs=SPECS, context=True, compile=True):
@@ -158,6 +169,44 @@ def test_map_whole_pads_and_cuts_a_stack_that_the_devices_do_not_divide():
   got = run(sharded)
   assert got.shape == (5, 8, 8)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_stacks_move_packed_and_no_padding_slot_travels():
+  """One call over two stacks, one of fewer matrices than devices (2 of 64 x 128, as an
+  embedding and an output layer, and 9 of 64 x 64): the values of one device, results
+  that are state (``replicate``, gathered to every device) too. Each exchange's rows
+  are as long as the largest matrix's block (the 2 + 9 matrices fill 8 owners evenly),
+  half of what each stack padded to the device count sends (``map_whole``: 8 + 16
+  slots)."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  xs = [jax.random.normal(jax.random.PRNGKey(i), s)
+        for i, s in enumerate([(2, 64, 128), (9, 64, 64)])]
+  fn = lambda a: jnp.tanh(a) + 1.0  # noqa: E731
+  local = lambda f, a: jax.vmap(f)(a)  # noqa: E731
+  # FSDP's layout: the larger side split, the rows of a square matrix
+  sharded = [jax.device_put(x, NamedSharding(mesh, spec))
+             for x, spec in zip(xs, [P(None, None, "fsdp"), P(None, "fsdp", None)])]
+
+  def program(how, replicate):
+    def run(*args):
+      with owners.using(mesh):
+        if how == "packed":
+          return packed.map_packed(fn, [[a] for a in args], local, replicate=replicate)
+        return [owners.map_whole(fn, [a], local, replicate=replicate) for a in args]
+    return jax.jit(run)
+
+  for replicate in (False, True):
+    got = program("packed", replicate)(*sharded)
+    for x, out in zip(xs, got):
+      np.testing.assert_allclose(np.asarray(out), np.asarray(local(fn, x)), rtol=1e-6,
+                                 atol=1e-6)
+  with jax.set_mesh(mesh):
+    sent = {how: collectives.traffic(program(how, False).lower(*sharded).compile()
+                                     .as_text(), 8, refresh=True)[0].total
+            for how in ("packed", "whole")}
+  block = 64 * 128 // 8 * 4  # bytes of the largest matrix's block on one device
+  assert sent["packed"] <= 2 * 8 * block * 7 / 8 * 1.01, sent  # in and out, one row each
+  assert sent["packed"] <= 0.51 * sent["whole"], sent
 
 
 def test_orbax_resume_onto_another_mesh_continues_the_owner_layout(tmp_path):

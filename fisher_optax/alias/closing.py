@@ -92,7 +92,8 @@ _COMMON_ARGS = """\
       context mesh of several devices (its state's structure is then fixed when it is
       built; parameters visibly replicated over ``Explicit`` axes keep the per-leaf
       state). Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
-      SWAN, GaLore, Fira, Alice-0, APOLLO, APOLLO-mini, SOAP, Shampoo, Eigen-Adam),
+      SWAN, GaLore, Fira, Alice, Alice-0, APOLLO, APOLLO-mini, SOAP, Shampoo,
+      Eigen-Adam),
       ``False`` elsewhere (docs: "Sharding and multi-host training", Communication).
       Give the jitted step ``out_shardings`` for the state (``fo.state_shardings``) so
       that it keeps its layout from step to step.

@@ -52,7 +52,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
           weight_decay: Optional[optax.ScalarOrSchedule] = None, mask: Any = None,
           dims: matrices.DimsSpec = None,
           stack_matrices: Union[bool, str] = "auto",
-          owner_layout: Any = False,
+          owner_layout: Any = "auto",
           fallback: Optional[optax.GradientTransformation] = None,
           fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
           state_dtype=None) -> optax.GradientTransformationExtraArgs:

@@ -190,18 +190,18 @@ class _Tracker:
 
     def pinned(us_qs):  # both branches' layout, so that the conditional's is not XLA's
       us, qs = us_qs
-      larger = self.side == "larger"
-      return ([owners.pinned_basis(u, g.shape, larger) for u, g in zip(us, flat_g)],
-              owners.pinned(qs))
+      return ([owners.pinned_basis(u, g.shape, self.side == "larger")
+               for u, g in zip(us, flat_g)], owners.pinned(qs))
 
     return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
                         lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
 
   def layouts(self, args):
-    """Under the owner layout, where a refresh's results come back (the state's layout,
-    as the conditional pins it): the basis split by ``owners.basis_split``, the tracked
-    state replicated; ``args``: a group's gradients, bases, ..."""
-    return [owners.basis_split(args[1].shape, args[0].shape, self.side == "larger"), None]
+    """Under the owner layout, where a refresh's results come back (``args``: a group's
+    gradients, bases, ...): the basis as ``owners.exchange_split`` says, the tracked
+    state gathered to every device."""
+    return [owners.exchange_split(args[1].shape, args[0].shape, self.side == "larger"),
+            None]
 
   def as_stacks(self, leaves):
     """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""

@@ -348,9 +348,8 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   local; results returned split by a guess the state did not share made XLA move the
   state at every step, refresh or not (the keep branch of the refresh's conditional has
   to agree with the refresh branch). ``layouts``: with ``replicate``, given the padded
-  arguments, a split per result (``None``: replicated) where results come back split
-  instead, as the state keeps them (:func:`basis_split`), each device receiving its
-  own rows only."""
+  arguments, a split per result (``None``: gathered) where results come back split
+  instead (:func:`exchange_split`), each device receiving its own rows only."""
   on = _ACTIVE.get()
   if on is None:
     return local(fn, *args)
@@ -370,7 +369,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   if replicate:
     # a split over some of the mesh axes only comes back replicated (then sliced)
     out_splits = [sp if sp is not None and len(sp) == len(mesh.axis_names) else None
-                  for sp in (list(layouts(padded)) if layouts is not None else [])]
+                  for sp in (layouts(padded) if layouts is not None else [])]
     out_splits += [None] * (len(out_leaves) - len(out_splits))
   else:
     out_splits = [_matrix_split(o.shape, mesh) for o in out_leaves]
@@ -511,18 +510,34 @@ def pinned(tree: Any) -> Any:
 
 def basis_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
                 mesh=None) -> Optional[list]:
-  """Where the state keeps a basis ``(k, m, r)`` of the rows side of matrices
-  ``matrix_shape`` (``(k, m, n)``), as a split (``[(array axis, mesh axis), ...]``;
-  ``None``: replicated): ``m`` split as :func:`_matrix_split` guesses the matrices'
-  rows are (the parameters' split where the guess is right; ``fo.state_shardings``
-  splits a basis as its parameter's axis of that size), or with ``larger`` (a basis of a
-  matrix's larger side, whose matrix is not a parameter) as :func:`spread_spec` says."""
+  """Where the state keeps a basis ``(k, d, r)`` of the rows side of matrices
+  ``matrix_shape`` (``(k, d, n)``), as a split (``[(array axis, mesh axis), ...]``;
+  ``None``: replicated): ``d`` split as :func:`_matrix_split` guesses the matrices'
+  rows are, the rank axis whole (``fo.state_shardings`` splits a basis as its
+  parameter's axis of that size). With ``larger`` (a basis of a matrix's larger side,
+  refreshed from coefficients ``sigma^T``, not a parameter) as :func:`spread_spec`
+  splits the basis."""
   mesh = mesh if mesh is not None else _ACTIVE.get().mesh
   if larger:
     return _spread_split(tuple(basis_shape), mesh)
   split = _matrix_split(tuple(matrix_shape), mesh) or []
-  a = len(basis_shape) - 2
-  return [(a, n) for b, n in split if b == len(matrix_shape) - 2] or None
+  a, b = len(basis_shape) - 2, len(matrix_shape) - 2
+  return [(a, n) for c, n in split if c == b] or None
+
+
+def exchange_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
+                   mesh=None) -> Optional[list]:
+  """How a refresh returns a basis to :func:`basis_split`'s layout in one exchange: that
+  split, the mesh axes it leaves out on the rank axis (where they divide it; a split
+  over every mesh axis, which :func:`pinned_basis` then gathers on the rank axis), or
+  ``None`` (gathered to every device)."""
+  mesh = mesh if mesh is not None else _ACTIVE.get().mesh
+  split = basis_split(basis_shape, matrix_shape, larger, mesh) or []
+  used = {n for _, n in split}
+  rest = [n for n in mesh.axis_names if n not in used]
+  if basis_shape[-1] % math.prod(mesh.shape[n] for n in rest):
+    return None
+  return split + [(len(basis_shape) - 1, n) for n in rest]
 
 
 def pinned_basis(u: jax.Array, matrix_shape: tuple, larger: bool) -> jax.Array:
