@@ -74,6 +74,7 @@ def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
   assert spec == SPECS["w"]
 
 
+@pytest.mark.slow
 def test_alice_soap_on_owners_gives_the_single_device_updates():
   """Alice-SOAP keeps the owner layout off by default (under tensor parallelism it sent
   more); asked for, its two tracked bases refresh on the owners with the updates of

@@ -16,7 +16,10 @@ function is then about ``2/P`` of the matrices' bytes, falling with the device c
 
 The layout is a placement: every matrix gets the function it gets on one device (tests
 compare with single-device runs). :func:`owner_layout` turns it on for an optimizer's
-update; :func:`map_whole` is what a block's whole-matrix function calls through.
+update; :func:`map_whole` is what a block's whole-matrix function calls through, and
+:func:`fisher_optax.parallel.packed.map_packed` serves all the stacks of one call
+(:func:`fisher_optax.grouping.map_grouped`) in one exchange each way, placed together
+so that no padding slot travels.
 
 Mesh: the one given to :func:`owner_layout`, else the context mesh of
 ``jax.set_mesh`` / ``jax.sharding.use_mesh`` (the ``Auto`` view that
