@@ -41,6 +41,11 @@ where its shards are, as before the owner layout). ``--time N`` also runs each c
 update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
+``--top N`` lists where the bytes come from: the ``N`` largest sources of an ordinary and
+of a refresh step, each the JAX operation that issued the collective (the ``op_name``
+XLA keeps in the program's metadata, e.g. ``jit(update)/jit(project)/dot_general``: a
+product that GSPMD partitioned with a reduction), loops and branches counted as in the
+totals.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class Traffic:
   """Bytes sent and collectives issued, per kind."""
   sent: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
   count: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+  # bytes per (kind, the JAX operation that issued it: the op_name XLA keeps)
+  by_source: dict = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> float:
@@ -128,6 +135,14 @@ class Traffic:
     for k in KINDS:
       self.sent[k] += other.sent[k] * times
       self.count[k] += int(other.count[k] * times)
+    for key, b in other.by_source.items():
+      self.by_source[key] = self.by_source.get(key, 0.0) + b * times
+
+  def largest(self, n: int) -> list:
+    """The ``n`` largest sources: ``(bytes, kind, op_name)``, loops and branches counted
+    as in the totals."""
+    return sorted(((b, k, name) for (k, name), b in self.by_source.items()),
+                  reverse=True)[:n]
 
 
 @dataclasses.dataclass
@@ -136,6 +151,15 @@ class _Comp:
   calls: list  # (computation, times)
   whiles: list  # (body, condition, trip count)
   conds: list   # [branch computations]
+
+
+def source_name(op_name: str) -> str:
+  """An ``op_name`` as a source of traffic: the names XLA joins when it combines
+  collectives (``a/(b:c:b)``) listed once each (``a/[b + c]``)."""
+  if "/(" not in op_name or not op_name.endswith(")"):
+    return op_name
+  head, inner = op_name.split("/(", 1)
+  return head + "/[" + " + ".join(dict.fromkeys(inner[:-1].split(":"))) + "]"
 
 
 def _parse(text: str, num_devices: int) -> tuple[dict, str]:
@@ -162,8 +186,12 @@ def _parse(text: str, num_devices: int) -> tuple[dict, str]:
         parts = _ARRAY.findall(shape)
         result = "{}[{}]".format(*parts[-1]) if parts else shape
       g = group_size(rest, num_devices)
-      cur.own.sent[base] += sent_bytes(base, shape_bytes(result), g)
+      b = sent_bytes(base, shape_bytes(result), g)
+      cur.own.sent[base] += b
       cur.own.count[base] += 1 if g > 1 else 0
+      name = re.search(r'op_name="([^"]*)"', rest)
+      key = (base, source_name(name.group(1)) if name else "")
+      cur.own.by_source[key] = cur.own.by_source.get(key, 0.0) + b
     if kind == "while":
       body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
       cond = re.search(r"condition=%?([\w.\-]+)", rest).group(1)
@@ -304,7 +332,7 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
 
 
 def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
-            repeats: int = 0) -> dict:
+            repeats: int = 0, top: int = 0) -> dict:
   """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
   collectives, temporary memory, each also as a ratio to the parameter bytes."""
   import jax
@@ -346,6 +374,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
               ordinary_collectives=ordinary.collectives,
               refresh_collectives=refresh.collectives,
               by_kind_refresh={k: v / param_bytes for k, v in refresh.sent.items() if v},
+              largest_ordinary=[(b / param_bytes, k, n) for b, k, n in ordinary.largest(top)],
+              largest_refresh=[(b / param_bytes, k, n) for b, k, n in refresh.largest(top)],
               temp_bytes=temp, temp_ratio=temp / param_bytes,
               state_bytes_per_device=state_bytes,
               state_ratio=state_bytes / param_bytes,
@@ -413,6 +443,10 @@ def main(argv=None):
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")
+  ap.add_argument("--top", type=int, default=0, metavar="N",
+                  help="also list each update's N largest sources of traffic on an "
+                       "ordinary and a refresh step: the JAX operation (op_name) that "
+                       "issued each collective, with its bytes / parameter bytes")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
@@ -434,7 +468,7 @@ def main(argv=None):
   for name in names:
     r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
          else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
-                      args.time))
+                      args.time, args.top))
     name = "train step" if name == "train_step" else name
     rows.append(r)
     timed = ""
@@ -449,6 +483,9 @@ def main(argv=None):
                                            else f"{'':>7}")
           + ("  *" if r.get("loops_without_trip_count") else "")
           + timed, flush=True)
+    for step in ("ordinary", "refresh") if args.top and name != "train step" else ():
+      for ratio, kind, source in r[f"largest_{step}"]:
+        print(f"    {step:<8} {ratio:>8.4f}x  {kind:<18} {source or '(no op_name)'}")
   if any(r.get("loops_without_trip_count") for r in rows):
     print("* a loop with a run-time trip count, counted once: the figure is a lower bound")
   if args.json:

@@ -17,7 +17,7 @@ HLO = """\
 }
 
 %body (p: (s32[], f32[8,32])) -> (s32[], f32[8,32]) {
-  %ag = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %ag = f32[64,32]{1,0} all-gather(f32[8,32]{1,0} %x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(f)/while/body/all_gather"}
   ROOT %t = (s32[], f32[8,32]) tuple(%i, %x)
 }
 
@@ -37,7 +37,7 @@ HLO = """\
 }
 
 ENTRY %main (a: f32[8,32]) -> f32[16] {
-  %ars = f32[256]{0} all-reduce-start(f32[256]{0} %a), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %ars = f32[256]{0} all-reduce-start(f32[256]{0} %a), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(f)/(jit(g)/dot_general:jit(h)/reduce_sum:jit(g)/dot_general)" stack_frame_id=3}
   %ard = f32[256]{0} all-reduce-done(f32[256]{0} %ars)
   %cp = bf16[100]{0} collective-permute(bf16[100]{0} %z), source_target_pairs={{0,1},{1,0}}
   %w = (s32[], f32[8,32]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
@@ -59,6 +59,20 @@ def test_reader_on_a_program_with_known_collectives():
   assert refresh.count == {"all-gather": 5, "reduce-scatter": 1, "all-reduce": 1,
                            "all-to-all": 1, "collective-permute": 1}
   assert ordinary.count["all-reduce"] == 2 and ordinary.count["all-to-all"] == 0
+
+
+def test_reader_names_the_sources_of_the_traffic():
+  """``--top``: bytes per issuing operation (``op_name``), loops multiplied and the chosen
+  branch only, as in the totals; collectives XLA combined list their operations once."""
+  ordinary, _ = C.traffic(HLO, 8, refresh=False)
+  (loop, k1, n1), (combined, k2, n2) = ordinary.largest(2)
+  assert (k1, n1) == ("all-gather", "jit(f)/while/body/all_gather")
+  assert loop == pytest.approx(5 * 64 * 32 * 4 * 7 / 8)
+  assert (k2, n2) == ("all-reduce", "jit(f)/[jit(g)/dot_general + jit(h)/reduce_sum]")
+  assert combined == pytest.approx(2 * 1024 * 7 / 8)
+  assert sum(b for b, _, _ in ordinary.largest(99)) == pytest.approx(ordinary.total)
+  refresh, _ = C.traffic(HLO, 8, refresh=True)
+  assert ("all-to-all", "") in refresh.by_source and ("all-to-all", "") not in ordinary.by_source
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
