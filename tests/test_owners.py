@@ -246,7 +246,24 @@ def test_bfloat16_transport_against_the_float64_reference(name, bound):
   assert errors["float32"] < errors["bfloat16"] < bound, errors
 
 
-@pytest.mark.parametrize("name", ["muon", "galore"])
+@pytest.mark.parametrize("name", registry.params(["alice", "alice0", "alice_soap"],
+                                                 default=["alice"]))
+def test_low_rank_tracking_on_owners_against_the_float64_reference(name):
+  """16 matrices 8 x 24 (two per device), 7 steps, refreshes at 1, 4 and 7, the owner
+  layout on (packed exchange, bases pinned to the state's layout): every update equals
+  the dense float64 re-derivation of the paper's tracking, switching and compensation
+  (``tests/reference.py``) to float32 rounding."""
+  shape = (16, 8, 24)
+  grads = util.structured_grads(shape, 7, seed=1)
+  kw = registry.WITH_REFERENCE[name]
+  want = util.run_reference(name, shape, grads, **kw)
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=True)
+  got = util.updates_on_mesh(tx, shape, grads, _mesh(), P(None, "fsdp", "tensor"))
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", ["muon", "galore", "alice"])
 def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name):
   """A zero gradient gives a zero update and a NaN gradient a NaN update, in its own
   leaf only, on the mesh as on one device (padding copies a real matrix, so no padded

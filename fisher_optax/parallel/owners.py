@@ -222,6 +222,16 @@ def owner_layout(tx, setting: Any = AUTO):
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
+def sender(transport: Any) -> Callable[[jax.Array], jax.Array]:
+  """Casts a floating array to the transport dtype (``None``: leaves it) for its way to
+  or from the owners."""
+  def send(x):
+    if transport is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(transport)
+    return x
+  return send
+
+
 def _mesh_argument(mesh) -> dict:
   """``shard_map``'s ``mesh=``: none where a context mesh is set (inside the named
   optimizers' ``jax.sharding.auto_axes`` that is the ``Auto`` view of an ``Explicit``
@@ -377,8 +387,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   else:
     out_splits = [_matrix_split(o.shape, mesh) for o in out_leaves]
   # floating inputs travel in the transport dtype; the owners compute in their own
-  send = lambda x: (x.astype(transport) if transport is not None  # noqa: E731
-                    and jnp.issubdtype(x.dtype, jnp.floating) else x)
+  send = sender(transport)
 
   def body(*xs):
     full = [None] * len(padded)
@@ -638,8 +647,7 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list) -
   plan = _ExchangePlan.make(mesh, slots, lengths,
                             [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)],
                             [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)])
-  send = lambda x: (x.astype(transport) if transport is not None  # noqa: E731
-                    and jnp.issubdtype(x.dtype, jnp.floating) else x)
+  send = sender(transport)
 
   def local(xs, leaves):
     me = jax.lax.axis_index(axes)
