@@ -279,31 +279,58 @@ def layout_specs(params, layout: str, devices: int):
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def make_mesh(layout: str, devices: int):
+def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
+  """The benchmark's mesh: ``("fsdp", "tensor")`` of ``devices // 2 x 2`` for ``fsdp_tp``,
+  else ``("fsdp",)``; its axes ``Auto`` (as ``jax.sharding.Mesh`` makes them) or
+  ``Explicit`` (as ``jax.make_mesh`` does by default), where the gradients' split is
+  part of their types."""
   import jax
   import numpy as np
-  from jax.sharding import Mesh
+  from jax.sharding import AxisType, Mesh
   devs = np.array(jax.devices()[:devices])
+  kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
   if layout == "fsdp_tp":
-    return Mesh(devs.reshape(devices // 2, 2), ("fsdp", "tensor"))
-  return Mesh(devs, ("fsdp",))
+    return Mesh(devs.reshape(devices // 2, 2), ("fsdp", "tensor"), axis_types=(kind,) * 2)
+  return Mesh(devs, ("fsdp",), axis_types=(kind,))
 
 
 OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh"}
 
 
-def build(name: str, preset: str, owner: str = "default", mesh=None):
+def _default_owner_layout(name: str):
+  """The named optimizer's own ``owner_layout`` default."""
+  import inspect
+  import fisher_optax as fo
+  fn = getattr(fo, {"fo_muon": "muon"}.get(name, name), None)
+  if fn is None:
+    return "auto"
+  return inspect.signature(fn).parameters["owner_layout"].default
+
+
+def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs=None):
   """The LLaMA example's optimizer ``name`` for ``preset`` (``muon`` is
   ``optax.contrib.muon``, ``fo_muon`` the library's), the library's in the per-leaf
   layout (``stack_matrices=False``) with ``owner_layout`` as ``owner`` says (``default``:
   the optimizer's own default; ``mesh``: the mesh itself, with which the rotation
-  family keeps its state in the owner layout across steps)."""
+  family keeps its state in the owner layout across steps). ``param_specs``: the
+  parameters' specs, given to the owner layout (``fo.OwnerLayout(param_specs=...)``)
+  wherever it is on."""
+  import fisher_optax as fo
   from benchmarks import step_time
   kw = {}
   if step_time._ours(name):
     kw = dict(stack_matrices=False)
-    if OWNER[owner] is not None:
-      kw["owner_layout"] = mesh if OWNER[owner] == "mesh" else OWNER[owner]
+    setting = OWNER[owner]
+    if setting is None and param_specs is not None:
+      setting = _default_owner_layout(name)
+    if setting == "mesh":
+      setting = mesh
+    if param_specs is not None and setting is not False:
+      layout = fo.parallel.owners.as_layout(setting)
+      setting = fo.OwnerLayout(mesh=layout.mesh, transport_dtype=layout.transport_dtype,
+                               replicated=layout.replicated, param_specs=param_specs)
+    if setting is not None:
+      kw["owner_layout"] = setting
   return step_time.build(name, preset, 1e-3, **kw)
 
 
@@ -332,7 +359,7 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
 
 
 def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
-            repeats: int = 0, top: int = 0) -> dict:
+            repeats: int = 0, top: int = 0, axis_types: str = "auto") -> dict:
   """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
   collectives, temporary memory, each also as a ratio to the parameter bytes."""
   import jax
@@ -341,10 +368,10 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   from benchmarks import step_time
 
   params, _ = step_time.abstract_params(preset)
-  mesh = make_mesh(layout, devices)
+  mesh = make_mesh(layout, devices, axis_types)
   specs = layout_specs(params, layout, devices)
   with jax.set_mesh(mesh):  # built under the mesh, as a sharded program is set up
-    tx = build(name, preset, owner, mesh)
+    tx = build(name, preset, owner, mesh, specs if axis_types == "given" else None)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   s_sh = fo.state_shardings(tx, params, specs, mesh)
@@ -367,7 +394,7 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   seconds = (time_update(compiled, params, state, p_sh, s_sh, repeats) if repeats
              else None)
   return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
-              owner_layout=owner, param_bytes=param_bytes, update_seconds=seconds,
+              owner_layout=owner, axis_types=axis_types, param_bytes=param_bytes, update_seconds=seconds,
               ordinary_bytes=ordinary.total, refresh_bytes=refresh.total,
               ordinary_ratio=ordinary.total / param_bytes,
               refresh_ratio=refresh.total / param_bytes,
@@ -447,6 +474,12 @@ def main(argv=None):
                   help="also list each update's N largest sources of traffic on an "
                        "ordinary and a refresh step: the JAX operation (op_name) that "
                        "issued each collective, with its bytes / parameter bytes")
+  ap.add_argument("--axis-types", default="auto", choices=("auto", "explicit", "given"),
+                  help="the mesh's axis types: Auto (jax.sharding.Mesh's default; the "
+                       "owner layout guesses each matrix's split from its shape), "
+                       "Explicit (jax.make_mesh's default; it reads the split from the "
+                       "gradients' types), or Auto with the parameters' specs given to "
+                       "the owner layout (fo.OwnerLayout(param_specs=...))")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
@@ -456,8 +489,10 @@ def main(argv=None):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, str(ROOT))
   rows = []
-  print(f"{args.preset}, {args.layout}, {args.devices} devices, owner layout "
-        f"{args.owner_layout}: bytes sent per device per update / parameter bytes")
+  axes = {"auto": "Auto axes", "explicit": "Explicit axes",
+          "given": "Auto axes, specs given"}[args.axis_types]
+  print(f"{args.preset}, {args.layout}, {args.devices} devices, {axes}, "
+        f"owner layout {args.owner_layout}: bytes sent per device per update / parameter bytes")
   print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7} "
         f"{'state':>7}")
   names = args.optimizers.split(",")
@@ -466,9 +501,18 @@ def main(argv=None):
   if args.layout != "dp" and not args.no_train_step:
     names = ["train_step"] + names
   for name in names:
-    r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
-         else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
-                      args.time, args.top))
+    try:
+      r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
+           else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
+                        args.time, args.top, args.axis_types))
+    except Exception as e:  # noqa: BLE001 - JAX's ShardingTypeError is not public
+      if type(e).__name__ != "ShardingTypeError":
+        raise
+      # an operation whose sharding is ambiguous on Explicit axes (optax.contrib.muon's
+      # Newton--Schulz product of a tensor-parallel matrix)
+      print(f"{name:<12} does not trace: {type(e).__name__}: {str(e).splitlines()[0]}")
+      rows.append(dict(optimizer=name, error=f"{type(e).__name__}: {e}".splitlines()[0]))
+      continue
     name = "train step" if name == "train_step" else name
     rows.append(r)
     timed = ""

@@ -190,7 +190,8 @@ def map_matrices(fn, *args):
       *args, cpu=lambda *a: jax.lax.map(lambda t: fn(*t), a), default=jax.vmap(fn))
 
 
-def map_grouped(fn, items: list, *, state: bool = False, layouts=None) -> list:
+def map_grouped(fn, items: list, *, state: bool = False, layouts=None,
+                splits=None) -> list:
   """``fn`` (written for one matrix) over many stacks of matrices, one call per shape.
 
   ``items``: a list of argument tuples, each argument an array ``(b_i,) + shape`` (a stack
@@ -202,22 +203,28 @@ def map_grouped(fn, items: list, *, state: bool = False, layouts=None) -> list:
 
   The results are split back with :func:`split`. ``state``: the results are optimizer
   state (new bases); under the owner layout they come back to every device
-  (:func:`fisher_optax.parallel.owners.map_whole`), or split as ``layouts`` (given a
-  group's arguments) says.
+  (:func:`fisher_optax.parallel.owners.map_whole`), or split as ``layouts`` (given an
+  item's arguments and split) says. ``splits``: per item, how its matrices are split
+  over the owner layout's mesh where known (:meth:`fisher_optax.lifting.Lifted.splits`):
+  under the owner layout each item then travels from its own split
+  (:func:`fisher_optax.parallel.packed.map_packed`).
   """
   out = [None] * len(items)
   starts = group_starts(items)
   groups = _groups(items)
+  # under the owner layout, every item's matrices move in one packed exchange, each
+  # from the split it has
+  if owners.active() is not None and groups:
+    packed_res = packed.map_packed(fn, items, groups, map_matrices, splits=splits,
+                                   replicate=state, layouts=layouts)
+    if packed_res is not None:
+      return packed_res
   cats = [[None if items[members[0]][a] is None
            else items[members[0]][a] if len(members) == 1
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))] for members in groups]
-  # under the owner layout, every group's matrices move in one packed exchange
-  packed_res = (packed.map_packed(fn, cats, map_matrices, replicate=state, layouts=layouts)
-                if owners.active() is not None and groups else None)
-  for n, (members, cat) in enumerate(zip(groups, cats)):
-    res = (packed_res[n] if packed_res is not None else
-           owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts))
+  for members, cat in zip(groups, cats):
+    res = owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts)
     if len(members) == 1:
       out[members[0]] = res
       continue

@@ -90,6 +90,15 @@ class Lifted:
                   for x, d in zip(self.leaves, dims_leaves)]
     self.canonical_grads = ([_canonical_f32(g, v) for g, v in zip(self.leaves, self.views)]
                 if canonical else None)
+    self.specs = owners.leaf_specs(tree)
+    self.param_specs = owners.leaf_param_specs(tree)
+
+  @property
+  def splits(self) -> list:
+    """Per leaf, how its canonical matrices (``[matrices, m, n]``) are split over the
+    owner layout's mesh, where the update knows the gradients' split
+    (:func:`fisher_optax.parallel.owners.view_split`); ``None`` elsewhere."""
+    return [owners.view_split(v, s) for v, s in zip(self.views, self.specs)]
 
   def leaves_of(self, tree: Any) -> list:
     """A tree of the same structure (e.g. a state field) -> its leaves in order."""
@@ -130,7 +139,7 @@ def map_stateless(fn: Callable[[jax.Array, MatrixView], jax.Array], tree: Any, d
   lifted = Lifted(tree, dims, side=side, what=what, canonical=True)
   if whole and owners.active() is not None:
     flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
-    outs = map_grouped(lambda x: fn(x, None), [(g,) for g in flat])
+    outs = map_grouped(lambda x: fn(x, None), [(g,) for g in flat], splits=lifted.splits)
     return lifted.to_leaves([o.reshape(g.shape)
                              for o, g in zip(outs, lifted.canonical_grads)])
   one = shared(lambda m, v: vmap_batch(lambda x: fn(x, v), len(v.batch_shape))(m),

@@ -75,14 +75,17 @@ def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
 
 
 @pytest.mark.slow
-def test_alice_soap_on_owners_gives_the_single_device_updates():
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
+def test_alice_soap_on_owners_gives_the_single_device_updates(explicit):
   """Alice-SOAP keeps the owner layout off by default (under tensor parallelism it sent
   more); asked for, its two tracked bases refresh on the owners with the updates of
-  one device."""
+  one device (on ``Explicit`` axes each from its parameter's split, the larger side's
+  basis pinned where the state keeps it)."""
   tx = _tx("alice_soap", owner_layout=True)
   single, _ = _run(tx, 4)
-  with jax.set_mesh(_mesh()):
-    sharded, _ = _run(tx, 4, _mesh())
+  mesh = _mesh(explicit)
+  with jax.set_mesh(mesh):
+    sharded, _ = _run(tx, 4, mesh)
   _close(sharded, single, "alice_soap")
 
 
@@ -113,6 +116,74 @@ def test_owner_layout_sends_less_than_the_parameter_layout(name):
   sent_off = collectives.traffic(off, 8, refresh=True)[0]
   assert sent_on.total < sent_off.total, (sent_on.total, sent_off.total)
   assert sent_on.collectives < 0.5 * sent_off.collectives
+
+
+def test_view_split_reads_each_leaf_split_onto_its_canonical_matrices():
+  """A leaf's ``PartitionSpec`` on its canonical ``[matrices, m, n]`` stack: its matrix
+  axes' mesh axes (swapped where the view transposes), mesh axes it is replicated over
+  added where they divide, ``[]`` for a replicated leaf, ``None`` (guess) where a batch
+  axis is split or nothing is known."""
+  from fisher_optax import matrices
+  mesh = _mesh()
+  view = lambda shape, **kw: matrices.matrix_view(shape, fo.MatrixDims(), **kw)  # noqa: E731
+  with owners.using(mesh):
+    assert owners.view_split(view((16, 32)), P("fsdp", "tensor")) == [(1, "fsdp"),
+                                                                       (2, "tensor")]
+    assert owners.view_split(view((4, 32, 16)), P(None, "tensor", "fsdp")) == [
+        (1, "tensor"), (2, "fsdp")]
+    t = view((32, 16), smaller_first=True)
+    assert t.transpose and owners.view_split(t, P("fsdp", "tensor")) == [(1, "tensor"),
+                                                                        (2, "fsdp")]
+    assert owners.view_split(view((16, 32)), P("fsdp")) == [(1, "fsdp"), (1, "tensor")]
+    assert owners.view_split(view((16, 32)), P()) == []
+    assert owners.view_split(view((4, 32, 16)), P("fsdp", None, "tensor")) is None
+    assert owners.view_split(view((16, 32)), None) is None
+  with owners.using(_mesh(data=True)):
+    assert owners.view_split(view((16, 32)), P("fsdp", "tensor")) == [
+        (1, "fsdp"), (1, "data"), (2, "tensor")]
+
+
+def test_row_and_column_parallel_matrices_travel_from_their_own_split():
+  """Same-shape matrices split differently (tensor parallelism's column- and row-parallel
+  layouts): on ``Explicit`` axes the owner layout reads each gradient's split from its
+  type, and on ``Auto`` axes from ``OwnerLayout(param_specs=...)``; Muon's update is
+  then the two packed exchanges and nothing else. Guessed from the shapes, XLA moves
+  the row-parallel ones once more on the way."""
+  specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
+           "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
+  shapes = {"a": (16, 32), "b": (16, 32), "c": (3, 16, 32), "d": (16, 32)}
+  params = util.random_tree(shapes, 0, 0.1)
+
+  def sent(tx, mesh):
+    p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    shaped = lambda t, sh: jax.tree.map(  # noqa: E731
+        lambda x, z: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=z), t, sh)
+    step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    with jax.set_mesh(mesh):
+      text = step.lower(shaped(params, p_sh), shaped(jax.eval_shape(tx.init, params), s_sh),
+                        shaped(params, p_sh)).compile().as_text()
+    return collectives.traffic(text, 8, refresh=False)[0]
+
+  muon = lambda **kw: fo.muon(0.01, dims={k: fo.MatrixDims() for k in shapes},  # noqa: E731
+                              stack_matrices=False, **kw)
+  read = sent(muon(), _mesh(explicit=True))
+  given = sent(muon(owner_layout=fo.OwnerLayout(param_specs=specs)), _mesh())
+  guessed = sent(muon(), _mesh())
+  assert read.collectives == given.collectives == 2, (read.sent, given.sent)
+  assert read.total == given.total < guessed.total, (read.total, given.total, guessed.total)
+
+
+@pytest.mark.slow
+def test_given_param_specs_give_the_single_device_updates():
+  """GaLore (refreshes at 1 and 3) on ``Auto`` axes with the parameters' specs given to
+  the owner layout: each matrix and basis travels from its own split, with the updates
+  of one device."""
+  tx = _tx("galore", owner_layout=fo.OwnerLayout(param_specs=SPECS))
+  single, _ = _run(_tx("galore"), 4)
+  with jax.set_mesh(_mesh()):
+    sharded, _ = _run(tx, 4, _mesh())
+  _close(sharded, single, "galore")
 
 
 def test_a_mesh_given_to_the_optimizer_needs_no_context_mesh():
@@ -192,7 +263,8 @@ def test_stacks_move_packed_and_no_padding_slot_travels():
     def run(*args):
       with owners.using(mesh):
         if how == "packed":
-          return packed.map_packed(fn, [[a] for a in args], local, replicate=replicate)
+          return packed.map_packed(fn, [[a] for a in args], [[i] for i in range(len(args))],
+                                   local, replicate=replicate)
         return [owners.map_whole(fn, [a], local, replicate=replicate) for a in args]
     return jax.jit(run)
 

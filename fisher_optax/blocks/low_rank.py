@@ -122,7 +122,8 @@ class _Tracker:
     leaves, v_leaves, gcs = lifted.leaves, lifted.views, lifted.canonical_grads
     u_leaves = lifted.leaves_of(state.basis)
     q_leaves = lifted.leaves_of(state.tracked) if self.has_tracking else [None] * len(leaves)
-    new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, v_leaves)
+    new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, lifted.splits,
+                                              self.basis_splits(lifted))
     out, new_u, new_q = [], [], []
     step = grouping.shared(self.project)  # traced once per leaf shape
     for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
@@ -149,7 +150,16 @@ class _Tracker:
       q = q.astype(self.sdtype)
     return sigma, q, u.astype(self.sdtype)
 
-  def refresh_all(self, state, gcs, u_leaves, q_leaves, v_leaves):
+  def basis_splits(self, lifted):
+    """Per leaf, where the state keeps its basis' rows over the owner layout's mesh, where
+    known: split as the matrices' rows are, or for a basis of the larger side (whose
+    matrices are coefficients, not the parameter) as ``fo.state_shardings`` splits it,
+    by its parameter's axis of that size."""
+    if self.side != "larger":
+      return lifted.splits
+    return [owners.sized_split(v.m, p) for v, p in zip(lifted.views, lifted.param_specs)]
+
+  def refresh_all(self, state, gcs, u_leaves, q_leaves, splits, basis_splits):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
     ``[matrices, ...]`` arrays. One lax.cond (keep / refresh) holds every refresh of the
     tree, so an ordinary step runs none of this; inside it the policy's operand
@@ -159,8 +169,8 @@ class _Tracker:
     and with the Gram every matrix of one ``m``, share one decomposition call). The first
     refresh (step 1) and the later ones differ only in the policy's per-matrix
     ``basis_from``, so they share the operands, grouping, non-finite guard and
-    re-expression (one compiled copy instead of one per branch)."""
-    del v_leaves
+    re-expression (one compiled copy instead of one per branch). ``splits``: per leaf,
+    its matrices' split over the owner layout's mesh where known (``Lifted.splits``)."""
     flat_g = [gc.reshape((-1,) + gc.shape[-2:]) for gc in gcs]
     flat_u, flat_q = self.as_stacks(u_leaves), self.as_stacks(q_leaves)
     count = state.count
@@ -181,7 +191,7 @@ class _Tracker:
 
       outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count,
                                                               operand=not on_owners),
-                                  state=True, layouts=self.layouts)
+                                  state=True, layouts=self.layouts, splits=splits)
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
@@ -190,18 +200,18 @@ class _Tracker:
 
     def pinned(us_qs):  # both branches' layout, so that the conditional's is not XLA's
       us, qs = us_qs
-      return ([owners.pinned_basis(u, g.shape, self.side == "larger")
-               for u, g in zip(us, flat_g)], owners.pinned(qs))
+      return ([owners.pinned_basis(u, g.shape, self.side == "larger", sp)
+               for u, g, sp in zip(us, flat_g, basis_splits)], owners.pinned(qs))
 
     return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
                         lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
 
-  def layouts(self, args):
-    """Under the owner layout, where a refresh's results come back (``args``: a group's
-    gradients, bases, ...): the basis as ``owners.exchange_split`` says, the tracked
-    state gathered to every device."""
-    return [owners.exchange_split(args[1].shape, args[0].shape, self.side == "larger"),
-            None]
+  def layouts(self, args, split=None):
+    """Under the owner layout, where a refresh's results come back (``args``: a leaf's
+    gradients, bases, ...; ``split``: its matrices' split where known): the basis as
+    ``owners.exchange_split`` says, the tracked state gathered to every device."""
+    return [owners.exchange_split(args[1].shape, args[0].shape, self.side == "larger",
+                                  split=split), None]
 
   def as_stacks(self, leaves):
     """State arrays per leaf -> float32 ``[matrices, ...]`` stacks (``None`` stays)."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import grouping, lifting, validation
+from fisher_optax import lifting, validation
 from fisher_optax.parallel import owners
 
 
@@ -162,7 +162,8 @@ def update(rot, updates, state, params=None):
   lifted = rot.lift(updates, canonical=True)
   keys, groups, slots, lengths, _ = owned_plan(rot, lifted, devices)
   flat = [g.reshape((-1,) + g.shape[-2:]) for g in lifted.canonical_grads]
-  moved = [jnp.concatenate([flat[i] for i in groups[key]], axis=0) for key in keys]
+  moved = [[flat[i] for i in groups[key]] for key in keys]
+  leaf_splits = lifted.splits
 
   def body(g, stack, st):  # the matrices of one size, with their state
     out, st = rot.step(lifting.Lifted({keys[g]: stack}, None, what="rotate",
@@ -170,14 +171,12 @@ def update(rot, updates, state, params=None):
     return out[0], st
 
   outs, owned = owners.run_owned(body, moved, [state.owned[k] for k in keys], slots,
-                                 lengths)
+                                 lengths, [[leaf_splits[i] for i in groups[key]]
+                                           for key in keys])
   owned = dict(zip(keys, owned))
   res: list = [None] * len(flat)
   for key, out in zip(keys, outs):
-    idx = groups[key]
-    sizes = [flat[i].shape[0] for i in idx]
-    starts = [sum(sizes[:j]) for j in range(len(idx))]
-    for i, part in zip(idx, grouping.split(out, starts, sizes)):
+    for i, part in zip(groups[key], out):
       res[i] = part.reshape(lifted.canonical_grads[i].shape)
   here = rot.lift(local_tree(rot, updates, lifted, devices), canonical=True)
   # on the unrotated side over every device: the statistics' products end in one

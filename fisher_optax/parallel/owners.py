@@ -21,6 +21,11 @@ update; :func:`map_whole` is what a block's whole-matrix function calls through,
 (:func:`fisher_optax.grouping.map_grouped`) in one exchange each way, placed together
 so that no padding slot travels.
 
+Where the matrices come from: the split each gradient has, read from its type on
+``Explicit`` mesh axes or from ``OwnerLayout(param_specs=...)`` (:func:`view_split`),
+else a guess from its shape (:func:`_matrix_split`) that XLA corrects matrix by matrix
+where it is wrong. Leaves of one shape split differently travel from their own splits.
+
 Mesh: the one given to :func:`owner_layout`, else the context mesh of
 ``jax.set_mesh`` / ``jax.sharding.use_mesh`` (the ``Auto`` view that
 :func:`fisher_optax.with_auto_axes` gives an ``Explicit`` mesh included). Without a mesh
@@ -59,15 +64,25 @@ class OwnerLayout:
     replicated: also on when the gradients are visibly replicated (``Explicit`` mesh
       axes and no leaf sharded over them); by default off there, since gathering the
       results back to every device would send more than computing everywhere.
+    param_specs: the parameters' ``PartitionSpec`` s (a tree of the parameters'
+      structure, as given to ``fo.state_shardings``), for a mesh with ``Auto`` axes,
+      where a gradient's split is not visible while tracing: each matrix then travels
+      to and from its owner from the split it has, and a refresh's bases come back
+      split as the state keeps them. On ``Explicit`` axes the split is read from each
+      gradient's type and this is not needed. ``None``: a guess per shape
+      (:func:`_matrix_split`), which XLA corrects matrix by matrix where it is wrong
+      (one more exchange of that matrix).
   """
   mesh: Any = None
   transport_dtype: Any = None
   replicated: bool = False
+  param_specs: Any = dataclasses.field(default=None, hash=False, compare=False)
 
 
 class _Active(NamedTuple):
   mesh: Any
   transport_dtype: Any
+  specs: Optional[dict] = None  # path -> (the gradient's shape, its PartitionSpec)
 
 
 # The owner layout of the update being traced (None: off).
@@ -82,9 +97,10 @@ def active() -> Optional[Any]:
 
 
 @contextlib.contextmanager
-def using(mesh: Optional[Any], transport_dtype: Any = None):
-  """Traces the body with the owner layout on ``mesh`` (``None``: off)."""
-  token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype))
+def using(mesh: Optional[Any], transport_dtype: Any = None, specs: Optional[dict] = None):
+  """Traces the body with the owner layout on ``mesh`` (``None``: off); ``specs``: per
+  path (:func:`path_specs`), the gradient's shape and ``PartitionSpec``, where known."""
+  token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype, specs))
   try:
     yield
   finally:
@@ -215,11 +231,131 @@ def owner_layout(tx, setting: Any = AUTO):
   if layout is None:
     return tx
 
+  given = None if layout.param_specs is None else path_specs(layout.param_specs)
+
   def update_fn(updates, state, params=None, **extra):
-    with using(resolve_mesh(layout, updates), layout.transport_dtype):
+    mesh = resolve_mesh(layout, updates)
+    specs = given
+    if mesh is not None and getattr(mesh, "explicit_axes", ()):
+      specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
+    if specs:  # each with its gradient's shape: a leaf of another shape at that path
+      # (a block's coefficients, a stack) is not split as the parameter is
+      specs = {k: (tuple(jnp.shape(x)), specs[k])
+               for k, x in zip(*_keyed_leaves(updates)) if k in specs}
+    with using(mesh, layout.transport_dtype, specs):
       return tx.update(updates, state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _path_key(path) -> str:
+  """A tree path as a string, without the trailing attribute of a box's value (a Flax
+  ``nnx.Variable`` flattens to its ``value``), so that a tree of specs and one of
+  updates name a leaf alike."""
+  keys = list(path)
+  while keys and isinstance(keys[-1], jax.tree_util.GetAttrKey):
+    keys.pop()
+  return jax.tree_util.keystr(tuple(keys))
+
+
+def path_specs(tree: Any) -> dict:
+  """``{path: PartitionSpec}`` of a tree of ``PartitionSpec`` s (leaves ``None``: not
+  known), the paths as :func:`leaf_specs` reads them."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, P) or x is None)
+  return {_path_key(path): spec for path, spec in flat if isinstance(spec, P)}
+
+
+def _keyed_leaves(tree: Any) -> tuple:
+  """The leaves of ``tree`` and their paths as :func:`_path_key` writes them."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [_path_key(path) for path, _ in flat], [x for _, x in flat]
+
+
+def leaf_specs(tree: Any) -> list:
+  """Per leaf of ``tree`` (flattened as ``jax.tree.leaves``), the ``PartitionSpec`` of
+  the gradient at its path in the update being traced where the leaf has that
+  gradient's shape, or ``None`` where not known (no owner layout, an ``Auto`` mesh
+  without ``OwnerLayout(param_specs=...)``, a leaf of another shape, or a tree the
+  optimizer built itself, such as ``stack_matrices``' stacks)."""
+  on = _ACTIVE.get()
+  keys, leaves = _keyed_leaves(tree)
+  if on is None or not on.specs:
+    return [None] * len(leaves)
+  out = []
+  for k, x in zip(keys, leaves):
+    shape, spec = on.specs.get(k, (None, None))
+    out.append(spec if shape == tuple(jnp.shape(x)) else None)
+  return out
+
+
+def leaf_param_specs(tree: Any) -> list:
+  """Per leaf of ``tree``, the shape and ``PartitionSpec`` of the gradient at its path
+  in the update being traced (whatever the leaf's own shape: a block's coefficients
+  at a parameter's path), or ``None`` where not known."""
+  on = _ACTIVE.get()
+  keys, leaves = _keyed_leaves(tree)
+  if on is None or not on.specs:
+    return [None] * len(leaves)
+  return [on.specs.get(k) for k in keys]
+
+
+def sized_split(size: int, param: Optional[tuple]) -> Optional[list]:
+  """The split of the rows of a stack ``(k, size, r)`` (a basis of a side of ``size``)
+  that ``fo.state_shardings`` gives a state array of its parameter ``param`` (``(shape,
+  spec)``): the mesh axes of the parameter's axis of that size (the first of two),
+  ``[]`` where it is replicated, ``None`` where no axis has that size or nothing is
+  known."""
+  if param is None:
+    return None
+  shape, spec = param
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  for d, e in zip(shape, entries):
+    if d == size:
+      return [(1, n) for n in (() if e is None else e if isinstance(e, tuple) else (e,))]
+  return None
+
+
+def view_split(view, spec: Optional[P]) -> Optional[list]:
+  """How a leaf's canonical stack ``(k, m, n)`` (:class:`fisher_optax.matrices.MatrixView`
+  ``view``; its batch axes flattened into ``k``) is split over the owner layout's mesh
+  when the leaf is split as ``spec``: a split ``[(array axis, mesh axis), ...]`` over
+  every mesh axis (the axes the leaf is replicated over added to a side they divide;
+  empty: replicated), or ``None`` where that is not known or not a split of the matrix
+  axes alone (no ``spec``; a batch axis split; a merged matrix axis split past its major
+  axis), for the caller to guess (:func:`_matrix_split`)."""
+  on = _ACTIVE.get()
+  if on is None or spec is None or view is None:
+    return None
+  entries = list(spec) + [None] * (len(view.shape) - len(spec))
+  names = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))  # noqa: E731
+  if any(names(entries[a]) for a in view.batch_axes):
+    return None
+  sides = []
+  for axes in (view.rows, view.cols):
+    if any(names(entries[a]) for a in axes[1:]):
+      return None
+    sides.append(names(entries[axes[0]]))
+  rows, cols = (sides[1], sides[0]) if view.transpose else sides
+  mesh = on.mesh
+  size = lambda ns: math.prod(mesh.shape[n] for n in ns)  # noqa: E731
+  if (any(n not in mesh.axis_names for n in rows + cols)
+      or view.m % size(rows) or view.n % size(cols)):
+    return None
+  if not rows + cols:
+    return []
+  # the exchange splits every matrix over every mesh axis: a mesh axis the leaf is
+  # replicated over (data parallelism beside FSDP) splits it further where it divides,
+  # a local slice on the way in
+  rest = [n for n in mesh.axis_names if n not in rows + cols]
+  if rest:
+    if view.m % size(rows + tuple(rest)) == 0:
+      rows += tuple(rest)
+    elif view.n % size(cols + tuple(rest)) == 0:
+      cols += tuple(rest)
+    else:
+      return None
+  return [(1, n) for n in rows] + [(2, n) for n in cols]
 
 
 def sender(transport: Any) -> Callable[[jax.Array], jax.Array]:
@@ -343,7 +479,7 @@ def _from_owners(x, split):
 
 def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
               replicate: bool = False,
-              layouts: Optional[Callable[[list], list]] = None) -> Any:
+              layouts: Optional[Callable[[list, Any], list]] = None) -> Any:
   """``local(fn, *args)`` (``fn`` over the stack axis of ``args``: arrays ``(k, ...)`` or
   ``None``) with each matrix on its owner when the owner layout is on; otherwise
   ``local(fn, *args)`` as it is.
@@ -361,12 +497,13 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   local; results returned split by a guess the state did not share made XLA move the
   state at every step, refresh or not (the keep branch of the refresh's conditional has
   to agree with the refresh branch). ``layouts``: with ``replicate``, given the padded
-  arguments, a split per result (``None``: gathered) where results come back split
-  instead (:func:`exchange_split`), each device receiving its own rows only."""
+  arguments and their split (``None`` here: guessed), a split per result (``None``:
+  gathered) where results come back split instead (:func:`exchange_split`), each
+  device receiving its own rows only."""
   on = _ACTIVE.get()
   if on is None:
     return local(fn, *args)
-  mesh, transport = on
+  mesh, transport = on.mesh, on.transport_dtype
   size = _mesh_size(mesh)
   k = next(a.shape[0] for a in args if a is not None)
   pad = -k % size
@@ -382,7 +519,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   if replicate:
     # a split over some of the mesh axes only comes back replicated (then sliced)
     out_splits = [sp if sp is not None and len(sp) == len(mesh.axis_names) else None
-                  for sp in (layouts(padded) if layouts is not None else [])]
+                  for sp in (layouts(padded, None) if layouts is not None else [])]
     out_splits += [None] * (len(out_leaves) - len(out_splits))
   else:
     out_splits = [_matrix_split(o.shape, mesh) for o in out_leaves]
@@ -521,30 +658,32 @@ def pinned(tree: Any) -> Any:
 
 
 def basis_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
-                mesh=None) -> Optional[list]:
+                mesh=None, split: Optional[list] = None) -> Optional[list]:
   """Where the state keeps a basis ``(k, d, r)`` of the rows side of matrices
   ``matrix_shape`` (``(k, d, n)``), as a split (``[(array axis, mesh axis), ...]``;
-  ``None``: replicated): ``d`` split as :func:`_matrix_split` guesses the matrices'
-  rows are, the rank axis whole (``fo.state_shardings`` splits a basis as its
+  ``None``: replicated): ``d`` split as the matrices' rows are (``split``, the
+  matrices' split where known, :func:`view_split`; else as :func:`_matrix_split`
+  guesses), the rank axis whole (``fo.state_shardings`` splits a basis as its
   parameter's axis of that size). With ``larger`` (a basis of a matrix's larger side,
   refreshed from coefficients ``sigma^T``, not a parameter) as :func:`spread_spec`
   splits the basis."""
   mesh = mesh if mesh is not None else _ACTIVE.get().mesh
-  if larger:
+  if larger and split is None:
     return _spread_split(tuple(basis_shape), mesh)
-  split = _matrix_split(tuple(matrix_shape), mesh) or []
+  if split is None:
+    split = _matrix_split(tuple(matrix_shape), mesh)
   a, b = len(basis_shape) - 2, len(matrix_shape) - 2
-  return [(a, n) for c, n in split if c == b] or None
+  return [(a, n) for c, n in split or [] if c == b] or None
 
 
 def exchange_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
-                   mesh=None) -> Optional[list]:
+                   mesh=None, split: Optional[list] = None) -> Optional[list]:
   """How a refresh returns a basis to :func:`basis_split`'s layout in one exchange: that
   split, the mesh axes it leaves out on the rank axis (where they divide it; a split
   over every mesh axis, which :func:`pinned_basis` then gathers on the rank axis), or
   ``None`` (gathered to every device)."""
   mesh = mesh if mesh is not None else _ACTIVE.get().mesh
-  split = basis_split(basis_shape, matrix_shape, larger, mesh) or []
+  split = basis_split(basis_shape, matrix_shape, larger, mesh, split) or []
   used = {n for _, n in split}
   rest = [n for n in mesh.axis_names if n not in used]
   if basis_shape[-1] % math.prod(mesh.shape[n] for n in rest):
@@ -552,13 +691,14 @@ def exchange_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
   return split + [(len(basis_shape) - 1, n) for n in rest]
 
 
-def pinned_basis(u: jax.Array, matrix_shape: tuple, larger: bool) -> jax.Array:
-  """Under the owner layout, a basis laid out where :func:`basis_split` says; unchanged
-  without the layout."""
+def pinned_basis(u: jax.Array, matrix_shape: tuple, larger: bool,
+                 split: Optional[list] = None) -> jax.Array:
+  """Under the owner layout, a basis laid out where :func:`basis_split` says (``split``:
+  the matrices' split where known); unchanged without the layout."""
   on = _ACTIVE.get()
   if on is None:
     return u
-  split = basis_split(u.shape, matrix_shape, larger, on.mesh)
+  split = basis_split(u.shape, matrix_shape, larger, on.mesh, split)
   spec = P() if split is None else _entries(u.shape, split, tuple(on.mesh.axis_names))
   return _constrain(u, spec, on.mesh)
 
@@ -576,17 +716,20 @@ def _constrain(x: jax.Array, spec: P, mesh) -> jax.Array:
 
 
 def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: list,
-              slots: list, lengths: list) -> tuple:
+              slots: list, lengths: list, splits: Optional[list] = None) -> tuple:
   """``body(g, stack, state) -> (out, new_state)`` for every group ``g`` of matrices, each
   matrix on its owner and the group's state ``owned[g]`` kept there from step to step.
 
-  ``moved``: the gradients, stacks ``(k_g, m, n)`` in the parameters' layout. ``body``
-  gets group ``g`` as a stack of slots, matrix ``i`` at slot ``slots[g][i]`` of
-  ``lengths[g]`` (:func:`placement`), and returns a stack in the same slots. ``owned[g]``:
-  the group's state, arrays whose leading axis is the group's slots (split over every
-  mesh axis, :func:`owned_spec`) or scalars (replicated), which ``body`` must advance
-  alike for any number of matrices (step counters). Returns the real matrices' results
-  in the gradients' layout and order, and the new states.
+  ``moved[g]``: the gradients of group ``g``, a list of stacks ``(k_j, m, n)`` (one per
+  leaf) in the parameters' layout; ``splits[g][j]``: how stack ``j`` is split over the
+  mesh where known (:func:`view_split`), else guessed from the shape
+  (:func:`_matrix_split`). ``body`` gets group ``g`` as a stack of slots, matrix ``i``
+  (in the order of the leaves' stacks) at slot ``slots[g][i]`` of ``lengths[g]``
+  (:func:`placement`), and returns a stack in the same slots. ``owned[g]``: the group's
+  state, arrays whose leading axis is the group's slots (split over every mesh axis,
+  :func:`owned_spec`) or scalars (replicated), which ``body`` must advance alike for any
+  number of matrices (step counters). Returns per group the real matrices' results, a
+  list of stacks in the gradients' layout and order, and the new states.
 
   Under the owner layout, for the groups whose slots the device count divides and whose
   matrices the mesh splits, inside ``jax.shard_map`` each device packs the blocks it
@@ -595,9 +738,11 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   together and runs ``body`` on its own slots and state with no collective (a device
   that owns none of a group's matrices runs it on none: padding costs no work), and
   sends the results back the same way: each device sends about ``2/P`` of the
-  matrices' bytes per update and no padding slot travels. Other groups (and all of
-  them without the owner layout) run ``body`` on their real matrices, taken from and
-  put back into their slots of the state, laid out by XLA."""
+  matrices' bytes per update and no padding slot travels. Each leaf's blocks travel
+  from the split it has, so leaves of one shape split differently (tensor
+  parallelism's row- and column-parallel matrices) need no common layout first. Other
+  groups (and all of them without the owner layout) run ``body`` on their real
+  matrices, taken from and put back into their slots of the state, laid out by XLA."""
   if not moved:
     return [], list(owned)
   on = _ACTIVE.get()
@@ -606,20 +751,25 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   mesh = on.mesh
   size = _mesh_size(mesh)
   shapes = _body_shapes(body, moved, owned, lengths)
+  given = splits if splits is not None else [[None] * len(x) for x in moved]
+  item_splits = [[(list(sp) or None) if sp is not None else _matrix_split(x.shape, mesh)
+                  for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
 
   def movable(g):  # its stacks split over the devices, its matrices over the mesh
     return (all(jnp.shape(x)[0] % size == 0 for x in jax.tree.leaves(owned[g])
                 if jnp.ndim(x)) and lengths[g] % size == 0
-            and _matrix_split(moved[g].shape, mesh) is not None
-            and _matrix_split((len(slots[g]),) + shapes[g][0].shape[1:], mesh) is not None)
+            and all(sp is not None for sp in item_splits[g])
+            and tuple(shapes[g][0].shape[1:]) == tuple(moved[g][0].shape[1:]))
 
   ways = [[g for g in range(len(moved)) if movable(g)],
           [g for g in range(len(moved)) if not movable(g)]]
   outs, new = [None] * len(moved), [None] * len(moved)
-  for way, run in zip(ways, (_run_exchanged, _run_padded)):
+  for way, run, extra in zip(ways, (_run_exchanged, _run_padded),
+                             ([[item_splits[g] for g in ways[0]]], [])):
     if way:
       got = run(lambda i, x, st, way=way: body(way[i], x, st), [moved[g] for g in way],
-                [owned[g] for g in way], [slots[g] for g in way], [lengths[g] for g in way])
+                [owned[g] for g in way], [slots[g] for g in way], [lengths[g] for g in way],
+                *extra)
       for g, o, st in zip(way, *got):
         outs[g], new[g] = o, st
   return outs, new
@@ -629,51 +779,85 @@ def _body_shapes(body, moved: list, owned: list, lengths: list) -> list:
   """Per group, the shapes ``body`` returns for a stack of its ``lengths[g]`` slots."""
   with using(None):
     return [jax.eval_shape(lambda x, st, g=g: body(g, x, st),
-                           jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype), st)
-            for g, (x, n, st) in enumerate(zip(moved, lengths, owned))]
+                           jax.ShapeDtypeStruct((n,) + xs[0].shape[1:], xs[0].dtype), st)
+            for g, (xs, n, st) in enumerate(zip(moved, lengths, owned))]
 
 
-def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list) -> tuple:
-  """:func:`run_owned` for groups whose stacks the owner layout's mesh splits: one
-  ``all_to_all`` in and one out, inside ``jax.shard_map``."""
-  mesh, transport = _ACTIVE.get()
+def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
+                   splits: list) -> tuple:
+  """:func:`run_owned` for groups whose matrices the owner layout's mesh splits
+  (``splits[g][j]``, leaf ``j``'s split): one ``all_to_all`` in and one out, inside
+  ``jax.shard_map``, every leaf's blocks packed from and back to its own split."""
+  on = _ACTIVE.get()
+  mesh, transport = on.mesh, on.transport_dtype
   owned_leaves, owned_tree = jax.tree.flatten(owned)
-  splits = [_matrix_split(x.shape, mesh) for x in moved]
   axes = tuple(mesh.axis_names)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
   shapes = _body_shapes(body, moved, owned, lengths)
-  out_shapes = [(len(sl),) + o[0].shape[1:] for o, sl in zip(shapes, slots)]
-  out_splits = [_matrix_split(sh, mesh) for sh in out_shapes]
-  plan = _ExchangePlan.make(mesh, slots, lengths,
-                            [_block_layout(x.shape, sp, mesh) for x, sp in zip(moved, splits)],
-                            [_block_layout(sh, sp, mesh) for sh, sp in zip(out_shapes, out_splits)])
+  # one entry per group and split: the leaves that share it travel as one stack
+  entries, members, entry_slots, entry_lengths, lays, stacks = [], [], [], [], [], []
+  for g, xs in enumerate(moved):
+    by: dict = {}
+    start = 0
+    for j, (x, sp) in enumerate(zip(xs, splits[g])):
+      by.setdefault(tuple(sp), []).append((j, range(start, start + x.shape[0])))
+      start += x.shape[0]
+    for key, ms in by.items():
+      parts = [xs[j] for j, _ in ms]
+      stack = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+      entries.append((g, list(key)))
+      members.append([(j, len(r)) for j, r in ms])
+      entry_slots.append([slots[g][i] for _, r in ms for i in r])
+      entry_lengths.append(lengths[g])
+      lays.append(_block_layout(stack.shape, list(key), mesh))
+      stacks.append(stack)
+  plan = _ExchangePlan.make(mesh, entry_slots, entry_lengths, lays, lays)
   send = sender(transport)
 
   def local(xs, leaves):
     me = jax.lax.axis_index(axes)
     got = jax.lax.all_to_all(plan.rows_to_owners([send(x) for x in xs]), axes, 0, 0,
                              tiled=True)  # row d: from device d
-    whole = plan.whole_matrices(got, me, [x.shape[1:] for x in moved],
-                                [x.dtype for x in moved])
+    pieces = plan.whole_matrices(got, me, [x.shape[1:] for x in stacks],
+                                 [x.dtype for x in stacks])
+    whole: list = [None] * len(moved)
+    for e, ((g, _), x) in enumerate(zip(entries, pieces)):
+      ok = plan._mine(e, me, plan.off_in)[1]
+      whole[g] = x if whole[g] is None else jnp.where(ok[:, None, None], x, whole[g])
     states = jax.tree.unflatten(owned_tree, leaves)
     outs, new = [], []
     with using(None):
       for g, (stack, st) in enumerate(zip(whole, states)):
-        out, st = _on_owner(body, g, stack, st, plan.holds(g, me) if plan.idle(g) else None)
+        out, st = _on_owner(body, g, stack, st, _holds(slots[g], lengths[g], plan.size, me))
         outs.append(out)
         new.append(st)
-    back = jax.lax.all_to_all(plan.rows_back([send(o) for o in outs], me), axes, 0, 0,
-                              tiled=True)  # row o: from owner o
+    back = jax.lax.all_to_all(plan.rows_back([send(outs[g]) for g, _ in entries], me),
+                              axes, 0, 0, tiled=True)  # row o: from owner o
     return plan.blocks_back(back), jax.tree.leaves(new)
 
-  outs, new = jax.shard_map(
-      local, in_specs=([_entries(x.shape, sp, axes) for x, sp in zip(moved, splits)],
+  got, new = jax.shard_map(
+      local, in_specs=([_entries(x.shape, sp, axes) for x, (_, sp) in zip(stacks, entries)],
                        owned_specs),
-      out_specs=([_entries(sh, sp, axes) for sh, sp in zip(out_shapes, out_splits)],
+      out_specs=([_entries(x.shape, sp, axes) for x, (_, sp) in zip(stacks, entries)],
                  owned_specs),
-      check_vma=False, **_mesh_argument(mesh))(list(moved), owned_leaves)
-  outs = [o.astype(s[0].dtype) for o, s in zip(outs, shapes)]
+      check_vma=False, **_mesh_argument(mesh))(list(stacks), owned_leaves)
+  outs: list = [[None] * len(xs) for xs in moved]
+  for (g, _), ms, o in zip(entries, members, got):
+    start = 0
+    for j, k in ms:
+      part = o if k == o.shape[0] else jax.lax.slice_in_dim(o, start, start + k)
+      outs[g][j] = part.astype(shapes[g][0].dtype)
+      start += k
   return outs, jax.tree.unflatten(owned_tree, new)
+
+
+def _holds(slots: list, length: int, devices: int, me) -> Optional[jax.Array]:
+  """Whether this device owns any of a group's matrices (slots ``slots`` of ``length``;
+  a run-time value), or ``None`` where every device owns some."""
+  owning = {s // (length // devices) for s in slots}
+  if len(owning) == devices:
+    return None
+  return jnp.asarray([d in owning for d in range(devices)])[me]
 
 
 def _on_owner(body, g: int, stack, state, holds) -> tuple:
@@ -698,19 +882,22 @@ def _on_owner(body, g: int, stack, state, holds) -> tuple:
 
 
 def _run_padded(body, moved, owned, slots, lengths) -> tuple:
-  """:func:`run_owned` without owners: ``body`` on each group's real matrices, their
-  state taken from their slots and put back (the same values, laid out by XLA; padding
-  slots untouched, as on a device that owns none)."""
+  """:func:`run_owned` without owners: ``body`` on each group's real matrices (its leaves'
+  stacks concatenated), their state taken from their slots and put back (the same
+  values, laid out by XLA; padding slots untouched, as on a device that owns none)."""
   outs, new = [], []
   with using(None):
-    for g, (x, st, sl, n) in enumerate(zip(moved, owned, slots, lengths)):
+    for g, (xs, st, sl, n) in enumerate(zip(moved, owned, slots, lengths)):
+      x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
       if list(sl) == list(range(n)):
         out, st = body(g, x, st)
       else:
         at = jnp.asarray(sl)
         out, mine = body(g, x, jax.tree.map(lambda y: y[at] if jnp.ndim(y) else y, st))
         st = jax.tree.map(lambda old, y: old.at[at].set(y) if jnp.ndim(old) else y, st, mine)
-      outs.append(out)
+      sizes = [y.shape[0] for y in xs]
+      outs.append([jax.lax.slice_in_dim(out, sum(sizes[:j]), sum(sizes[:j + 1]))
+                   for j in range(len(xs))] if len(xs) > 1 else [out])
       new.append(st)
   return outs, new
 
@@ -765,15 +952,6 @@ class _ExchangePlan:
   @property
   def size(self) -> int:
     return math.prod(self.grid)
-
-  def idle(self, g: int) -> bool:
-    """Whether some device owns none of group ``g``'s matrices (static)."""
-    return len(set(self.owner[g])) < self.size
-
-  def holds(self, g: int, me) -> jax.Array:
-    """Whether this device owns any of group ``g``'s matrices (a run-time value)."""
-    mine = set(self.owner[g])
-    return jnp.asarray([d in mine for d in range(self.size)])[me]
 
   def _mine(self, g: int, me, table: list) -> tuple:
     """This device's slots of group ``g``: their offsets in ``table`` and whether each

@@ -13,6 +13,11 @@ into row ``o`` of one buffer (rows as long as the most any owner receives). Each
 runs the function on its own matrices (a device that owns none of a stack's matrices
 runs none of it), and the results come back the same way, or, for results that are
 optimizer state kept whole (replicated), in one ``all_gather`` of packed rows.
+
+Each leaf's matrices travel from the split they have: same-shape leaves split differently
+(tensor parallelism's column-parallel ``q_proj`` and row-parallel ``o_proj``) are packed
+leaf by leaf, never concatenated into one stack first, which would make XLA move all but
+one of them into a common layout on the way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,45 @@ from fisher_optax.parallel import owners
 
 
 @dataclasses.dataclass(frozen=True)
+class _Entry:
+  """The arrays at one argument or result position ``pos`` of group ``g`` of the leaves
+  ``items`` that share one split: their matrices are the group's ``at`` (indices in the
+  group's order), in the order of ``items``, whose stack sizes are ``ks``."""
+  g: int
+  pos: int
+  items: tuple
+  ks: tuple
+  at: tuple
+
+
+def _entries_of(g: int, pos: int, found: list) -> list:
+  """``found``: ``(split, item, k, start)`` per leaf of group ``g`` at ``pos``; one
+  :class:`_Entry` per distinct split (leaves of one split travel together: their
+  stacks concatenate where they are), with the splits."""
+  by: dict = {}
+  for sp, j, k, start in found:
+    by.setdefault(None if sp is None else tuple(sp), []).append((j, k, start))
+  return [(_Entry(g, pos, tuple(j for j, _, _ in ms), tuple(k for _, k, _ in ms),
+                  tuple(i for _, k, st in ms for i in range(st, st + k))),
+           None if key is None else list(key)) for key, ms in by.items()]
+
+
+def _sorted(found: dict) -> tuple:
+  """The entries of ``found`` (``{(g, pos): [(split, item, k, start), ...]}``) that travel
+  split (with their splits) and those that do not (taken from, or gathered to, every
+  device)."""
+  split, splits, whole = [], [], []
+  for (g, pos), leaves in found.items():
+    for e, sp in _entries_of(g, pos, leaves):
+      if sp is None:
+        whole.append(e)
+      else:
+        split.append(e)
+        splits.append(sp)
+  return split, splits, whole
+
+
+@dataclasses.dataclass(frozen=True)
 class _Gather:
   """Where each owner puts its matrices of the results gathered to every device:
   ``off[e][s]``, the offset of slot ``s`` of entry ``e`` in its owner's row; ``length``,
@@ -37,119 +81,158 @@ class _Gather:
   length: int
 
   @classmethod
-  def make(cls, entries: list, slots: list, per: list, devices: int) -> "_Gather":
+  def make(cls, entries: list, slots: list, lengths: list, devices: int) -> "_Gather":
     fill = [0] * devices
     off = []
-    for g, elems in entries:
-      at = [0] * (per[g] * devices)
-      for s in slots[g]:
-        o = s // per[g]
+    for (sl, n), elems in zip(zip(slots, lengths), entries):
+      per = n // devices
+      at = [0] * n
+      for s in sl:
+        o = s // per
         at[s] = fill[o]
         fill[o] += elems
       off.append(at)
     return cls(off, max(max(fill), 1))
 
 
-def _arg_split(x, mesh) -> Optional[list]:
-  """How an argument enters the owners: its matrices' split (exchanged), or ``None``
-  (taken whole from its replicated value: scalars per matrix, random words)."""
-  if x is None or x.ndim != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
+def _split_of(x, given: Any, matrix: tuple, mesh) -> Optional[list]:
+  """How an array ``(k, ...)`` of one leaf travels: its matrices' split (exchanged), or
+  ``None`` (taken whole from its replicated value: scalars per matrix, random words, a
+  replicated leaf). ``given``: the leaf's split where known (``[]``: replicated), which
+  holds for the arrays of its matrices' shape ``matrix``; elsewhere a guess from the
+  shape (:func:`fisher_optax.parallel.owners._matrix_split`)."""
+  if x is None or len(x.shape) != 3 or not jnp.issubdtype(x.dtype, jnp.floating):
     return None
-  return owners._matrix_split(x.shape, mesh)
-
-
-def _result_splits(groups, out_leaves, mesh, replicate, layouts) -> list:
-  """Per group and result, how it leaves the owners: exchanged back split as the
-  gradients are guessed to be, or (``replicate``) as ``layouts`` says where that splits
-  it over every mesh axis; ``None``: gathered to every device."""
-  if not replicate:
-    return [[owners._matrix_split(o.shape, mesh) if o.ndim == 3 else None for o in leaves]
-            for leaves in out_leaves]
-  out = []
-  for args, leaves in zip(groups, out_leaves):
-    want = list(layouts(args)) if layouts is not None else []
-    want += [None] * (len(leaves) - len(want))
-    out.append([sp if sp is not None and len(sp) == len(mesh.axis_names) and o.ndim == 3
-                else None for sp, o in zip(want, leaves)])
-  return out
+  if given is not None and tuple(x.shape[1:]) == tuple(matrix):
+    return list(given) or None
+  return owners._matrix_split(tuple(x.shape), mesh)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Packing:
-  """The static tables of one :func:`map_packed` call: ``slots``/``lengths``/``per`` as
-  :func:`fisher_optax.parallel.owners.placement` gives them; ``index[g][s]``, the matrix
-  slot ``s`` holds (a padding slot: its owner's first); ``real[g][s]``, whether it holds
-  one; ``ins``/``outs``/``kept``, the (group, position) of the arguments exchanged in, the
-  results exchanged back and the results gathered; their plans."""
+  """The static tables of one :func:`map_packed` call: ``slots``/``lengths``/``per`` per
+  group as :func:`fisher_optax.parallel.owners.placement` gives them; ``real[g][s]``,
+  whether slot ``s`` holds a matrix; ``ins`` / ``outs`` / ``kept``: the :class:`_Entry`
+  s of the arguments exchanged in, the results exchanged back and the results gathered,
+  with their splits and plans; ``local``: the arguments taken from their replicated
+  values."""
   mesh: Any
   slots: list
   lengths: list
   per: list
-  index: list
   real: list
   ins: list
+  in_splits: list
   outs: list
+  out_splits: list
   kept: list
+  local: list
   plan_in: Any
   plan_out: Any
   gather: _Gather
 
   @classmethod
-  def make(cls, mesh, groups, out_leaves, in_splits, out_splits) -> "_Packing":
+  def make(cls, mesh, items, groups, templates, out_leaves, splits, replicate,
+           layouts) -> "_Packing":
     size = owners._mesh_size(mesh)
-    ks = [next(a.shape[0] for a in args if a is not None) for args in groups]
+    ks = [next(a.shape[0] for a in args if a is not None) for args in templates]
     # balance what each owner receives and returns
     weights = [sum(math.prod(a.shape[1:]) for a in args if a is not None)
                + sum(math.prod(o.shape[1:]) for o in leaves)
-               for args, leaves in zip(groups, out_leaves)]
+               for args, leaves in zip(templates, out_leaves)]
     slots, lengths = owners.placement(ks, weights, size)
     per = [n // size for n in lengths]
-    index, real = [], []
+    real = []
     for g in range(len(groups)):
-      at = [None] * lengths[g]
-      for i, s in enumerate(slots[g]):
-        at[s] = i
-      real.append([i is not None for i in at])
-      for d in range(size):
-        mine = at[d * per[g]:(d + 1) * per[g]]
-        first = next((i for i in mine if i is not None), 0)
-        at[d * per[g]:(d + 1) * per[g]] = [first if i is None else i for i in mine]
-      index.append(at)
-    ins = [(g, a) for g, sps in enumerate(in_splits) for a, sp in enumerate(sps)
-           if sp is not None]
-    outs = [(g, j) for g, sps in enumerate(out_splits) for j, sp in enumerate(sps)
-            if sp is not None]
-    kept = [(g, j) for g, sps in enumerate(out_splits) for j, sp in enumerate(sps)
-            if sp is None]
+      at = [False] * lengths[g]
+      for s in slots[g]:
+        at[s] = True
+      real.append(at)
+    found_in: dict = {}
+    found_out: dict = {}
+    for g, members in enumerate(groups):
+      start = 0
+      for j in members:
+        args = items[j]
+        k = next(a.shape[0] for a in args if a is not None)
+        matrix = next(tuple(a.shape[1:]) for a in args if a is not None)
+        given = splits[j] if splits is not None else None
+        for pos, x in enumerate(args):
+          if x is not None:
+            found_in.setdefault((g, pos), []).append(
+                (_split_of(x, given, matrix, mesh), j, k, start))
+        if replicate:
+          want = list(layouts(list(args), given)) if layouts is not None else []
+        for r, o in enumerate(out_leaves[g]):
+          shape = (k,) + tuple(o.shape[1:])
+          if replicate:
+            sp = want[r] if r < len(want) else None
+            sp = sp if sp is not None and len(sp) == len(mesh.axis_names) else None
+          else:
+            sp = _split_of(jax.ShapeDtypeStruct(shape, o.dtype), given, matrix, mesh)
+          found_out.setdefault((g, r), []).append(
+              (sp if len(shape) == 3 else None, j, k, start))
+        start += k
+    (ins, in_splits, local), (outs, out_splits, kept) = (_sorted(found_in),
+                                                         _sorted(found_out))
 
-    def plan(entries, table, arrays):
+    def plan(entries, entry_splits, shape_of):
       if not entries:
         return None
-      lays = [owners._block_layout(arrays[g][a].shape, table[g][a], mesh)
-              for g, a in entries]
-      return owners._ExchangePlan.make(mesh, [slots[g] for g, _ in entries],
-                                       [lengths[g] for g, _ in entries], lays, lays)
+      lays = [owners._block_layout(shape_of(e), sp, mesh)
+              for e, sp in zip(entries, entry_splits)]
+      return owners._ExchangePlan.make(
+          mesh, [[slots[e.g][i] for i in e.at] for e in entries],
+          [lengths[e.g] for e in entries], lays, lays)
 
-    gather = _Gather.make([(g, math.prod(out_leaves[g][j].shape[1:])) for g, j in kept],
-                          slots, per, size)
-    return cls(mesh, slots, lengths, per, index, real, ins, outs, kept,
-               plan(ins, in_splits, groups), plan(outs, out_splits, out_leaves), gather)
+    gather = _Gather.make(
+        [math.prod(out_leaves[e.g][e.pos].shape[1:]) for e in kept],
+        [[slots[e.g][i] for i in e.at] for e in kept], [lengths[e.g] for e in kept], size)
+    return cls(mesh, slots, lengths, per, real, ins, in_splits, outs, out_splits, kept,
+               local,
+               plan(ins, in_splits, lambda e: (len(e.at),) + tuple(templates[e.g][e.pos].shape[1:])),
+               plan(outs, out_splits,
+                    lambda e: (len(e.at),) + tuple(out_leaves[e.g][e.pos].shape[1:])),
+               gather)
 
-  def whole(self, given, groups, me, send) -> dict:
-    """Inside ``shard_map``: the exchanged arguments of this owner's slots, whole
-    (padding slots: a copy of the owner's first matrix), by (group, position)."""
-    if self.plan_in is None:
-      return {}
-    axes = tuple(self.mesh.axis_names)
-    got = jax.lax.all_to_all(
-        self.plan_in.rows_to_owners([send(given[g][a]) for g, a in self.ins]),
-        axes, 0, 0, tiled=True)  # row d: from device d
-    mats = self.plan_in.whole_matrices(got, me, [groups[g][a].shape[1:] for g, a in self.ins],
-                                       [groups[g][a].dtype for g, a in self.ins])
+  def mine(self, e: _Entry, me) -> tuple:
+    """This owner's slots of group ``e.g``: the index of each in entry ``e``'s matrices
+    (clipped) and whether it is one of them (run-time values)."""
+    per = self.per[e.g]
+    table = [0] * self.lengths[e.g]
+    ok = [False] * self.lengths[e.g]
+    for i, s in enumerate(self.slots[e.g][i] for i in e.at):
+      table[s], ok[s] = i, True
+    at = me * per + jnp.arange(per)
+    return jnp.asarray(table, jnp.int32)[at], jnp.asarray(ok)[at]
+
+  def whole(self, given: dict, templates, me, send) -> dict:
+    """Inside ``shard_map``: the arguments of this owner's slots, whole, by (group,
+    position): exchanged ones put together from the rows of one ``all_to_all``,
+    replicated ones taken locally; padding slots hold a copy of the owner's first
+    matrix."""
+    parts: dict = {}
+    if self.plan_in is not None:
+      axes = tuple(self.mesh.axis_names)
+      got = jax.lax.all_to_all(self.plan_in.rows_to_owners([send(given[e]) for e in self.ins]),
+                               axes, 0, 0, tiled=True)  # row d: from device d
+      mats = self.plan_in.whole_matrices(
+          got, me, [templates[e.g][e.pos].shape[1:] for e in self.ins],
+          [templates[e.g][e.pos].dtype for e in self.ins])
+      for i, (e, x) in enumerate(zip(self.ins, mats)):
+        parts.setdefault((e.g, e.pos), []).append(
+            (self.plan_in._mine(i, me, self.plan_in.off_in)[1], x))
+    for e in self.local:
+      idx, ok = self.mine(e, me)
+      parts.setdefault((e.g, e.pos), []).append((ok, given[e][idx]))
     out = {}
-    for e, ((g, a), x) in enumerate(zip(self.ins, mats)):
-      ok = self.plan_in._mine(e, me, self.plan_in.off_in)[1]
-      out[g, a] = jnp.where(ok[:, None, None], x, x[:1])
+    for (g, pos), found in parts.items():
+      x = found[0][1]
+      for ok, y in found[1:]:
+        x = jnp.where(ok.reshape((-1,) + (1,) * (y.ndim - 1)), y, x)
+      per = self.per[g]
+      real = jnp.asarray(self.real[g])[me * per + jnp.arange(per)]
+      out[g, pos] = jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, x[:1])
     return out
 
   def run(self, g: int, run: Callable[[], list], me) -> list:
@@ -164,86 +247,111 @@ class _Packing:
     return jax.lax.cond(holds, run, lambda: [jnp.zeros(o.shape, o.dtype) for o in shaped])
 
   def gathered(self, results, out_leaves, me) -> list:
-    """The results kept whole, from every owner's packed row (one ``all_gather``)."""
+    """The results kept whole, per entry, from every owner's packed row (one
+    ``all_gather``)."""
     if not self.kept:
       return []
     row = jnp.zeros((self.gather.length,),
-                    jnp.result_type(*[results[g][j] for g, j in self.kept]))
-    for e, (g, j) in enumerate(self.kept):
-      for t in range(self.per[g]):
-        s = me * self.per[g] + t
+                    jnp.result_type(*[results[e.g][e.pos] for e in self.kept]))
+    for i, e in enumerate(self.kept):
+      _, ok = self.mine(e, me)
+      for t in range(self.per[e.g]):
+        s = me * self.per[e.g] + t
         put = jax.lax.dynamic_update_slice_in_dim(
-            row, results[g][j][t].reshape(-1).astype(row.dtype),
-            jnp.asarray(self.gather.off[e], jnp.int32)[s], axis=0)
-        row = jnp.where(jnp.asarray(self.real[g], bool)[s], put, row)
+            row, results[e.g][e.pos][t].reshape(-1).astype(row.dtype),
+            jnp.asarray(self.gather.off[i], jnp.int32)[s], axis=0)
+        row = jnp.where(ok[t], put, row)
     rows = jax.lax.all_gather(row, tuple(self.mesh.axis_names), axis=0,
                               tiled=False)  # row o: from owner o
     out = []
-    for e, (g, j) in enumerate(self.kept):
-      shape = out_leaves[g][j].shape[1:]
-      n = math.prod(shape)
+    for i, e in enumerate(self.kept):
+      shape = out_leaves[e.g][e.pos].shape[1:]
+      n, per = math.prod(shape), self.per[e.g]
       out.append(jnp.stack([jax.lax.slice_in_dim(
-          rows[s // self.per[g]], self.gather.off[e][s], self.gather.off[e][s] + n)
-          .reshape(shape) for s in self.slots[g]]))
+          rows[s // per], self.gather.off[i][s], self.gather.off[i][s] + n).reshape(shape)
+          for s in (self.slots[e.g][i] for i in e.at)]))
     return out
 
 
-def map_packed(fn: Callable[..., Any], groups: list, local: Callable[..., Any], *,
-               replicate: bool = False,
-               layouts: Optional[Callable[[list], list]] = None) -> Optional[list]:
-  """``local(fn, *args)`` for every ``args`` of ``groups`` (arrays ``(k_g, ...)`` or
-  ``None``), each matrix on its owner, in one exchange each way; ``None`` where the
-  results cannot travel packed (not floating arrays of matrices), for the caller to
-  serve each stack on its own (:func:`fisher_optax.parallel.owners.map_whole`).
+def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callable[..., Any],
+               *, splits: Optional[list] = None, replicate: bool = False,
+               layouts: Optional[Callable[[list, Any], list]] = None) -> Optional[list]:
+  """``local(fn, *args)`` for every ``args`` of ``items`` (arrays ``(k_i, ...)`` or
+  ``None``; ``groups``: the items of one shape, lists of indices), each matrix on its
+  owner, in one exchange each way; per item, its results (``fn``'s output tree with a
+  leading axis ``k_i``); ``None`` where the results cannot travel packed (not floating
+  arrays of matrices), for the caller to serve each stack on its own
+  (:func:`fisher_optax.parallel.owners.map_whole`).
 
-  The results come back split as the gradients are guessed to be
-  (:func:`fisher_optax.parallel.owners._matrix_split`); with ``replicate`` (optimizer
-  state) split as ``layouts(args)`` says, result by result, over every mesh axis, and
-  replicated otherwise. Padding slots of an owner hold a copy of its first matrix, so
-  that no slot meets a degenerate input; their results are never sent."""
-  mesh, transport = owners._ACTIVE.get()
+  ``splits``: per item, the split of its matrices where known
+  (:func:`fisher_optax.parallel.owners.view_split`; ``[]``: replicated), for its
+  arrays of its matrices' shape (the first argument's), in and out; elsewhere, and
+  for ``None``, a guess from the shape (:func:`fisher_optax.parallel.owners._matrix_split`).
+  With ``replicate`` (optimizer state) the results come back split as
+  ``layouts(args, split)`` says, item by item and result by result, where that splits
+  them over every mesh axis, and replicated otherwise. Padding slots of an owner hold a
+  copy of its first matrix, so that no slot meets a degenerate input; their results are
+  never sent."""
+  on = owners._ACTIVE.get()
+  mesh, transport = on.mesh, on.transport_dtype
   axes = tuple(mesh.axis_names)
-  shapes = [jax.eval_shape(lambda *xs: local(fn, *xs), *args) for args in groups]
+  templates = []
+  for members in groups:
+    first = items[members[0]]
+    k = sum(next(a.shape[0] for a in items[j] if a is not None) for j in members)
+    templates.append([None if a is None else jax.ShapeDtypeStruct((k,) + a.shape[1:], a.dtype)
+                      for a in first])
+  shapes = [jax.eval_shape(lambda *xs: local(fn, *xs), *args) for args in templates]
   out_leaves = [jax.tree.leaves(s) for s in shapes]
   if any(o.ndim < 2 or not jnp.issubdtype(o.dtype, jnp.floating)
          for leaves in out_leaves for o in leaves):
     return None
-  in_splits = [[_arg_split(a, mesh) for a in args] for args in groups]
-  out_splits = _result_splits(groups, out_leaves, mesh, replicate, layouts)
-  pk = _Packing.make(mesh, groups, out_leaves, in_splits, out_splits)
+  pk = _Packing.make(mesh, items, groups, templates, out_leaves, splits, replicate, layouts)
   send = owners.sender(transport)
-  flat = [(a, sp) for args, sps in zip(groups, in_splits)
-          for a, sp in zip(args, sps) if a is not None]
+  entries = pk.ins + pk.local
 
   def body(*xs):
     me = jax.lax.axis_index(axes)
-    it = iter(xs)
-    given = [[None if a is None else next(it) for a in args] for args in groups]
-    whole = pk.whole(given, groups, me, send)
+    given = dict(zip(entries, xs))
+    whole = pk.whole(given, templates, me, send)
     results = []
-    for g, args in enumerate(groups):
-      idx = jnp.asarray(pk.index[g], jnp.int32)[me * pk.per[g] + jnp.arange(pk.per[g])]
-      mats = [None if x is None else whole[g, a] if (g, a) in whole else x[idx]
-              for a, x in enumerate(given[g])]
+    for g, args in enumerate(templates):
+      mats = [None if a is None else whole[g, pos] for pos, a in enumerate(args)]
       res = pk.run(g, lambda mats=mats: jax.tree.leaves(local(fn, *mats)), me)
       results.append([send(r) for r in res])
     back = []
     if pk.plan_out is not None:
       back = pk.plan_out.blocks_back(jax.lax.all_to_all(
-          pk.plan_out.rows_back([results[g][j] for g, j in pk.outs], me), axes, 0, 0,
+          pk.plan_out.rows_back([results[e.g][e.pos] for e in pk.outs], me), axes, 0, 0,
           tiled=True))  # row o: from owner o
-    blocks = [b.reshape((b.shape[0],) + owners._block_layout(
-        out_leaves[g][j].shape, out_splits[g][j], mesh)[0]) for b, (g, j) in zip(back, pk.outs)]
+    blocks = [b.reshape((len(e.at),) + owners._block_layout(
+        (len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, mesh)[0])
+        for b, e, sp in zip(back, pk.outs, pk.out_splits)]
     return blocks + pk.gathered(results, out_leaves, me)
 
+  def joined(e):  # the leaves of one entry, one stack (they share a split)
+    parts = [items[j][e.pos] for j in e.items]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+  arrays = [joined(e) for e in entries]
+  in_specs = ([owners._entries(x.shape, sp, axes) for x, sp in zip(arrays, pk.in_splits)]
+              + [P()] * len(pk.local))
   res = jax.shard_map(
-      body, in_specs=tuple(P() if sp is None else owners._entries(a.shape, sp, axes)
-                           for a, sp in flat),
-      out_specs=([owners._entries(out_leaves[g][j].shape, out_splits[g][j], axes)
-                  for g, j in pk.outs] + [P()] * len(pk.kept)),
+      body, in_specs=tuple(in_specs),
+      out_specs=([owners._entries((len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, axes)
+                  for e, sp in zip(pk.outs, pk.out_splits)] + [P()] * len(pk.kept)),
       check_vma=False, **owners._mesh_argument(mesh))(
-          *[a if sp is None else send(a) for a, sp in flat])
-  got = dict(zip(pk.outs + pk.kept, res))
-  return [jax.tree.unflatten(jax.tree.structure(shapes[g]),
-                             [got[g, j].astype(o.dtype) for j, o in enumerate(leaves)])
-          for g, leaves in enumerate(out_leaves)]
+          *[send(x) for x in arrays[:len(pk.ins)]], *arrays[len(pk.ins):])
+  got = {}
+  for e, y in zip(pk.outs + pk.kept, res):
+    start = 0
+    for j, k in zip(e.items, e.ks):
+      got[j, e.pos] = y if k == y.shape[0] else jax.lax.slice_in_dim(y, start, start + k)
+      start += k
+  out = [None] * len(items)
+  for g, members in enumerate(groups):
+    for j in members:
+      out[j] = jax.tree.unflatten(
+          jax.tree.structure(shapes[g]),
+          [got[j, r].astype(o.dtype) for r, o in enumerate(out_leaves[g])])
+  return out
