@@ -191,3 +191,47 @@ def test_recipe_is_sharded_and_equals_one_device(name, mesh_name):
     owned = [x for x in jax.tree.leaves(opt.opt_state, is_leaf=lambda x: isinstance(
         x, fo.RotateOwnedState)) if isinstance(x, fo.RotateOwnedState)]
     assert len(owned) == 1 and owned[0].load.shape == (len(mesh.devices.flat),), owned
+
+
+def test_param_specs_from_the_recipe_reach_the_owner_layout(monkeypatch):
+  """On ``Auto`` axes the gradients' split is not visible while tracing; the recipe's
+  ``nnx.get_partition_spec`` tree, given as ``fo.OwnerLayout(param_specs=...)``, names
+  each kernel's split where the owner layout reads it (a row- and a column-parallel
+  kernel of one shape here), and the updates are those without it."""
+  from fisher_optax.parallel import owners
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  seen = []
+  read = owners.view_split
+  monkeypatch.setattr(owners, "view_split", lambda v, s: seen.append(s) or read(v, s))
+
+  class Two(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.normal(0.3)
+      self.a = nnx.Linear(16, 16, kernel_init=nnx.with_partitioning(init, ("fsdp", "tensor")),
+                          use_bias=False, rngs=rngs)
+      self.b = nnx.Linear(16, 16, kernel_init=nnx.with_partitioning(init, ("tensor", "fsdp")),
+                          use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  def trained(layout):
+    with jax.set_mesh(mesh):
+      model = Two(nnx.Rngs(0))
+      tx = fo.muon(0.02, stack_matrices=False, owner_layout=layout(model))
+      opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+      @nnx.jit
+      def step(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: (m(x) ** 2).mean())(model))
+
+      for t in range(2):
+        step(model, opt, jnp.full((8, 16), 0.1 * (t + 1)))
+      return nnx.state(model, nnx.Param)
+
+  given = trained(lambda m: fo.OwnerLayout(param_specs=nnx.get_partition_spec(
+      nnx.state(m, nnx.Param))))
+  assert P("fsdp", "tensor") in seen and P("tensor", "fsdp") in seen, seen
+  plain = trained(lambda m: "auto")
+  for x, y in zip(jax.tree.leaves(given), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)

@@ -69,9 +69,10 @@ class OwnerLayout:
       where a gradient's split is not visible while tracing: each matrix then travels
       to and from its owner from the split it has, and a refresh's bases come back
       split as the state keeps them. On ``Explicit`` axes the split is read from each
-      gradient's type and this is not needed. ``None``: a guess per shape
-      (:func:`_matrix_split`), which XLA corrects matrix by matrix where it is wrong
-      (one more exchange of that matrix).
+      gradient's type and this is not needed. ``None``: a guess per shape (FSDP's split
+      on a mesh of one axis, Megatron's column-parallel one on a mesh of several), which
+      XLA corrects matrix by matrix where it is wrong (one more exchange of that
+      matrix).
   """
   mesh: Any = None
   transport_dtype: Any = None
