@@ -42,3 +42,23 @@ def test_maxtext_trains_with_named_optimizer(optimizer, extra, tmp_path):
   first, total = (int(x.replace(",", "")) for x in
                   re.search(r"optimizer state: ([0-9,]+) bytes on device 0 of ([0-9,]+)", log).groups())
   assert first < 0.6 * total  # sharded over the 4 devices by MaxText's rules, not replicated
+
+
+def test_maxtext_owner_layout_from_its_logical_rules_trains_alike(tmp_path):
+  """``--owner-layout specs``: Muon's whole-matrix work on owners of MaxText's mesh, each
+  matrix moved from its split under MaxText's logical axis rules; the losses of the
+  three steps are those with the owner layout off."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  losses = {}
+  for layout in ("specs", "off"):
+    cmd = [sys.executable, str(ROOT / "examples" / "maxtext" / "train.py"), "--optimizer",
+           "muon", "--owner-layout", layout, "--learning-rate", "1e-3", f"run_name=owner_{layout}",
+           f"base_output_directory={tmp_path}", *TINY]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    losses[layout] = [float(x) for x in
+                      re.findall(r"completed step: \d+, .* loss: ([0-9.]+)", log)]
+  assert len(losses["specs"]) == 3
+  assert losses["specs"] == pytest.approx(losses["off"], rel=1e-4), losses

@@ -141,6 +141,12 @@ def test_view_split_reads_each_leaf_split_onto_its_canonical_matrices():
   with owners.using(_mesh(data=True)):
     assert owners.view_split(view((16, 32)), P("fsdp", "tensor")) == [
         (1, "fsdp"), (1, "data"), (2, "tensor")]
+  # a mesh axis of size one splits nothing, a layer axis named by it included (MaxText)
+  with owners.using(jax.make_mesh((4, 2, 1), ("fsdp", "tensor", "stage"),
+                                  axis_types=(jax.sharding.AxisType.Auto,) * 3)):
+    assert owners.view_split(view((3, 16, 32)), P("stage", "fsdp", "tensor")) == [
+        (1, "fsdp"), (1, "stage"), (2, "tensor")]
+    assert owners.view_split(view((16, 32)), P("elsewhere")) is None
 
 
 def test_row_and_column_parallel_matrices_travel_from_their_own_split():

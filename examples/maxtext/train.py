@@ -44,6 +44,12 @@ def parse(argv):
   p.add_argument("--rank", type=int, default=None, help="rank of the low-rank optimizers")
   p.add_argument("--weight-decay", type=float, default=None,
                  help="decoupled weight decay on the structured leaves (default none)")
+  p.add_argument("--owner-layout", choices=("auto", "specs", "off"), default="auto",
+                 help="the optimizer's owner_layout: 'auto' (its default: MaxText traces "
+                      "the step under jax.set_mesh, and each matrix's split is guessed "
+                      "from its shape), 'specs' (MaxText's mesh, each matrix moved from "
+                      "its split under MaxText's logical axis rules: "
+                      "fo.OwnerLayout(mesh=..., param_specs=...)), or 'off'")
   return p.parse_known_args(argv)
 
 
@@ -54,7 +60,6 @@ def make_get_optimizer(args):
   from maxtext.utils import muon_utils
 
   def get_optimizer(config, learning_rate_schedule, model=None, mesh=None):
-    del mesh
     if model is None:
       raise ValueError("fisher_optax needs the model to route its parameters")
     dims = muon_utils.get_muon_weight_dimension_numbers(model, config)
@@ -69,6 +74,9 @@ def make_get_optimizer(args):
       if args.optimizer not in LOW_RANK:
         raise ValueError(f"--rank is for {', '.join(LOW_RANK)}, not {args.optimizer}")
       kw["rank"] = args.rank
+    if args.owner_layout != "auto":
+      kw["owner_layout"] = (owner_layout(config, model, mesh) if args.owner_layout == "specs"
+                            else False)
     tx = getattr(fo, args.optimizer)(structured_lr, **kw)
     if jax.process_index() == 0:
       from flax import nnx
@@ -78,6 +86,18 @@ def make_get_optimizer(args):
     return tx
 
   return get_optimizer
+
+
+def owner_layout(config, model, mesh):
+  """``fo.OwnerLayout`` on MaxText's ``mesh`` with the parameters' mesh-axis specs, their
+  logical names (``nnx.get_partition_spec``) mapped by MaxText's ``logical_axis_rules``."""
+  from flax import linen as nn
+  from flax import nnx
+  if mesh is None or not isinstance(model, nnx.Module):
+    raise ValueError("--owner-layout specs needs MaxText's mesh and an NNX model")
+  logical = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  return fo.OwnerLayout(mesh=mesh, param_specs=nn.logical_to_mesh(
+      logical, config.logical_axis_rules))
 
 
 def state_report(state) -> str:

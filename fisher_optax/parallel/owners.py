@@ -329,7 +329,12 @@ def view_split(view, spec: Optional[P]) -> Optional[list]:
   if on is None or spec is None or view is None:
     return None
   entries = list(spec) + [None] * (len(view.shape) - len(spec))
-  names = lambda e: () if e is None else (e if isinstance(e, tuple) else (e,))  # noqa: E731
+  if any(n not in on.mesh.axis_names for e in entries if e is not None
+         for n in (e if isinstance(e, tuple) else (e,))):
+    return None
+  # a mesh axis of size one splits nothing (MaxText names a dozen, most of size one)
+  names = lambda e: () if e is None else tuple(  # noqa: E731
+      n for n in (e if isinstance(e, tuple) else (e,)) if on.mesh.shape[n] > 1)
   if any(names(entries[a]) for a in view.batch_axes):
     return None
   sides = []
@@ -340,8 +345,7 @@ def view_split(view, spec: Optional[P]) -> Optional[list]:
   rows, cols = (sides[1], sides[0]) if view.transpose else sides
   mesh = on.mesh
   size = lambda ns: math.prod(mesh.shape[n] for n in ns)  # noqa: E731
-  if (any(n not in mesh.axis_names for n in rows + cols)
-      or view.m % size(rows) or view.n % size(cols)):
+  if view.m % size(rows) or view.n % size(cols):
     return None
   if not rows + cols:
     return []
