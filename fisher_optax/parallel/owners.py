@@ -237,7 +237,9 @@ def owner_layout(tx, setting: Any = AUTO):
   def update_fn(updates, state, params=None, **extra):
     mesh = resolve_mesh(layout, updates)
     specs = given
-    if mesh is not None and getattr(mesh, "explicit_axes", ()):
+    context = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not context.empty and context.explicit_axes:
+      # the context mesh's Explicit axes: each gradient's split is part of its type
       specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
     if specs:  # each with its gradient's shape: a leaf of another shape at that path
       # (a block's coefficients, a stack) is not split as the parameter is
