@@ -309,6 +309,35 @@ def test_a_wide_one_sided_matrix_is_rotated_where_its_shards_are():
   assert set(k for k, v in sent.sent.items() if v) <= {"all-reduce"}, sent.sent
 
 
+def test_a_column_parallel_one_sided_matrix_spreads_within_its_own_split():
+  """A one-sided wide matrix split as tensor parallelism's output layer (rows over
+  ``fsdp``, its 64 columns over ``tensor``): where the update knows that split
+  (``Explicit`` axes, or the specs given), ``fo.state_shardings`` and the update both
+  lay its moments on the 64 side over ``tensor`` first, so the gradient gets there by
+  an all-to-all within each ``tensor`` block and no permutation across them; split
+  guessed (``Auto`` axes), both keep the mesh's order, as before."""
+  only = {"wide": PARAMS["wide"]}
+  params = util.random_tree(only, 0, 0.1)
+  col = {"wide": P("fsdp", "tensor")}
+
+  def build(layout):
+    return fo.eigen_adam(0.01, dims={"wide": fo.MatrixDims()}, stack_matrices=False,
+                         owner_layout=layout, interval=2)
+
+  for mesh, layout, order in [
+      (_mesh(explicit=True), _mesh(explicit=True), ("tensor", "fsdp")),
+      (_mesh(), fo.OwnerLayout(mesh=_mesh(), param_specs=col), ("tensor", "fsdp")),
+      (_mesh(), _mesh(), ("fsdp", "tensor"))]:
+    tx = build(layout)
+    specs = fo.state_partition_specs(tx, params, col, mesh=mesh)
+    assert specs.inner_states["structured"].inner_state[0].local.inner_state.mu["wide"] == \
+        P(None, order)
+    sent = collectives.traffic(_compiled(tx, mesh, col, params), 8, refresh=False)[0]
+    kinds = {k for k, v in sent.sent.items() if v}
+    if order[0] == "tensor":
+      assert "collective-permute" not in kinds, sent.sent
+
+
 @pytest.mark.parametrize("case", ["tiny", "huge", "bfloat16_params", "bfloat16_transport"])
 def test_scales_dtypes_and_transport_with_the_state_on_owners(case):
   """Gradients near 1e-30 and 1e18, bfloat16 parameters, and bfloat16 transport to and

@@ -192,7 +192,9 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
     fallback = routing.in_float32(optax.adam(fallback_lr))
   return routing.route(structured, mask=mask, dims=dims, fallback=fallback,
                        info=dict(name=name, rank=rank, stack_matrices=stack,
-                                 owner_mesh=getattr(owners.as_layout(owner), "mesh", None)))
+                                 owner_mesh=getattr(owners.as_layout(owner), "mesh", None),
+                                 owner_specs=getattr(owners.as_layout(owner), "param_specs",
+                                                     None) is not None))
 
 
 # Arguments that fix array shapes. optax.inject_hyperparams turns every numeric argument

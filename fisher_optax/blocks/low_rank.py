@@ -170,7 +170,8 @@ class _Tracker:
     refresh (step 1) and the later ones differ only in the policy's per-matrix
     ``basis_from``, so they share the operands, grouping, non-finite guard and
     re-expression (one compiled copy instead of one per branch). ``splits``: per leaf,
-    its matrices' split over the owner layout's mesh where known (``Lifted.splits``)."""
+    its matrices' split over the owner layout's mesh where known (``Lifted.splits``);
+    ``basis_splits``: where the state keeps its basis (:meth:`basis_splits`)."""
     flat_g = [gc.reshape((-1,) + gc.shape[-2:]) for gc in gcs]
     flat_u, flat_q = self.as_stacks(u_leaves), self.as_stacks(q_leaves)
     count = state.count

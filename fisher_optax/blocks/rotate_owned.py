@@ -181,10 +181,14 @@ def update(rot, updates, state, params=None):
   here = rot.lift(local_tree(rot, updates, lifted, devices), canonical=True)
   # on the unrotated side over every device: the statistics' products end in one
   # all-reduce of d x d, and the rotations and the refresh are local
-  here.canonical_grads = [owners.spread(g) for g in here.canonical_grads]
+  # the parameter's own mesh axes on that side first, where the update knows them, as
+  # fo.state_shardings lays out the state then
+  majors = [owners.spread_major(g.shape, p) for g, p in zip(here.canonical_grads,
+                                                            here.param_specs)]
+  here.canonical_grads = [owners.spread(g, m) for g, m in zip(here.canonical_grads, majors)]
   with owners.using(None):
     out_here, local = rot.step(here, state.local)
-  out_here = [owners.spread(o) for o in out_here]
+  out_here = [owners.spread(o, m) for o, m in zip(out_here, majors)]
   mine = iter(out_here)
   res = [next(mine) if r is None else r for r in res]
   return lifted.to_leaves(res), RotateOwnedState(owned=owned, local=local, load=state.load)

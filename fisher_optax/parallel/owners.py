@@ -620,31 +620,52 @@ def _block_layout(shape: tuple, split: list, mesh) -> tuple:
   return block, perm
 
 
-def spread_spec(shape: tuple, mesh) -> P:
+def spread_spec(shape: tuple, mesh, major: tuple = ()) -> P:
   """The ``PartitionSpec`` of a matrix (stack) rotated where its shards are, on its
   unrotated side: the strictly larger of its last two axes split over every mesh axis
-  (where the mesh's size divides it), everything else whole; a square one (a ``d x d``
-  statistic or basis) whole."""
+  (where the mesh's size divides it), ``major``'s first (the mesh axes the parameter
+  already splits that side over, :func:`spread_major`), then the others in the mesh's
+  order; everything else whole; a square one (a ``d x d`` statistic or basis) whole."""
   size = _mesh_size(mesh)
   if mesh is None or len(shape) < 2 or shape[-1] == shape[-2]:
     return P()
   a = len(shape) - 1 if shape[-1] > shape[-2] else len(shape) - 2
   if shape[a] % size:
     return P()
+  first = tuple(n for n in major if n in mesh.axis_names)
   entries = [None] * len(shape)
-  entries[a] = tuple(mesh.axis_names)
+  entries[a] = first + tuple(n for n in mesh.axis_names if n not in first)
   return P(*entries)
 
 
-def spread(x: jax.Array) -> jax.Array:
-  """``x`` laid out by :func:`spread_spec` on the owner layout's mesh (as it is where the
-  layout is off). Under FSDP, which splits a matrix's larger side over every device,
-  that is where it already is; under tensor parallelism XLA moves it once here, instead
-  of summing products over a split rotated side."""
+def spread_major(shape: tuple, param: Optional[tuple]) -> tuple:
+  """The mesh axes that the parameter ``param`` (``(shape, spec)``; ``None``: not known)
+  splits a matrix's unrotated (strictly larger) side over: those of its one axis of that
+  size, else none. Where :func:`spread_spec` puts them first, a side split over them
+  becomes split over every mesh axis by a local exchange within each of their blocks;
+  in the mesh's order it was a permutation across them as well (tensor parallelism's
+  512 x 32000 output layer at the 60M LLaMA's shapes: a collective-permute and an
+  all-to-all each way)."""
+  if param is None or len(shape) < 2 or shape[-1] == shape[-2]:
+    return ()
+  size = max(shape[-1], shape[-2])
+  pshape, spec = param
+  entries = list(spec) + [None] * (len(pshape) - len(spec))
+  hits = [e for d, e in zip(pshape, entries) if d == size]
+  if len(hits) != 1 or hits[0] is None:
+    return ()
+  return hits[0] if isinstance(hits[0], tuple) else (hits[0],)
+
+
+def spread(x: jax.Array, major: tuple = ()) -> jax.Array:
+  """``x`` laid out by :func:`spread_spec` (``major``: :func:`spread_major`) on the owner
+  layout's mesh (as it is where the layout is off). Under FSDP, which splits a matrix's
+  larger side over every device, that is where it already is; under tensor parallelism
+  XLA moves it once here, instead of summing products over a split rotated side."""
   on = _ACTIVE.get()
   if on is None:
     return x
-  spec = spread_spec(x.shape, on.mesh)
+  spec = spread_spec(x.shape, on.mesh, major)
   return x if spec == P() else _constrain(x, spec, on.mesh)
 
 

@@ -188,7 +188,11 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
   max_len = max((len(k) for k in by_path), default=0)
 
   roles = field_roles(state)
-  owner_mesh = mesh if mesh is not None else getattr(tx, "info", {}).get("owner_mesh")
+  info = getattr(tx, "info", {})
+  owner_mesh = mesh if mesh is not None else info.get("owner_mesh")
+  # whether the update will know each gradient's split (Explicit axes, or the specs given
+  # to its owner layout), and so lay a one-sided matrix out on its own axes first
+  knows_split = bool(getattr(mesh, "explicit_axes", ())) or info.get("owner_specs", False)
 
   def spec_for(path, leaf):
     path = tuple(path)
@@ -201,7 +205,9 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
       if hit is not None:
         pshape, pspec, d, owner = hit
         if role == "spread":
-          return Owned(owner, owners.spread_spec(jax.numpy.shape(leaf), owner_mesh))
+          shape = jax.numpy.shape(leaf)
+          major = owners.spread_major(shape, (pshape, pspec)) if knows_split else ()
+          return Owned(owner, owners.spread_spec(shape, owner_mesh, major))
         role = role or "auto"
         shape = leaf.shape if hasattr(leaf, "shape") else jax.numpy.shape(leaf)
         return Owned(owner, _leaf_spec(shape, role, pshape, pspec, d, mesh))
