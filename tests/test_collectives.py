@@ -116,6 +116,29 @@ def test_collectives_script_runs_on_tiny(tmp_path):
   assert rows["galore"]["loops_without_trip_count"] >= 1
 
 
+@pytest.mark.example
+def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
+  """The script with ``--axis-types explicit`` under FSDP x TP on 4 devices: the library's
+  Muon is its two packed exchanges, and ``optax.contrib.muon``, which does not trace
+  there, is a row that says so instead of an error."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  from tests.util import HANG_S
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = tmp_path / "rows.json"
+  subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
+                  "tiny", "--devices", "4", "--layout", "fsdp_tp", "--axis-types", "explicit",
+                  "--no-train-step", "--optimizers", "fo_muon,muon", "--json", str(out)],
+                 capture_output=True, text=True, timeout=HANG_S, check=True)
+  rows = {r["optimizer"]: r for r in json.loads(out.read_text())}
+  assert rows["fo_muon"]["axis_types"] == "explicit"
+  assert rows["fo_muon"]["ordinary_collectives"] == 2, rows["fo_muon"]
+  assert rows["muon"]["error"].startswith("ShardingTypeError"), rows["muon"]
+
+
 def _largest_collective(text):
   """Bytes of the largest collective result in an HLO text (async starts included)."""
   out = 0
