@@ -122,10 +122,7 @@ def vmap_grouped(fn: Callable[[Any], Callable[[jax.Array], Any]], args: Sequence
   ``vmap``-ing ``fn(groups[i])`` over that leaf alone (e.g. per-matrix random draws:
   one draw call per shape instead of one per leaf).
 
-  The results are split back with :func:`split`. ``state``: the results are optimizer
-  state (new bases); under the owner layout they come back to every device
-  (:func:`fisher_optax.parallel.owners.map_whole`), or split as ``layouts`` (given a
-  group's arguments) says.
+  The results are split back with :func:`split`.
   """
   # XLA:CPU note: a threefry hash compiles into one large kernel (~0.2 s of compile
   # each), so drawing leaf by leaf made compile time grow with depth; grouped, it grows

@@ -138,6 +138,10 @@ def test_view_split_reads_each_leaf_split_onto_its_canonical_matrices():
     assert owners.view_split(view((16, 32)), P()) == []
     assert owners.view_split(view((4, 32, 16)), P("fsdp", None, "tensor")) is None
     assert owners.view_split(view((16, 32)), None) is None
+  # guessed from the shape: column-parallel where it divides, else row-parallel
+  assert owners._matrix_split((1, 16, 32), mesh) == [(1, "fsdp"), (2, "tensor")]
+  assert owners._matrix_split((1, 6, 8), mesh) == [(1, "tensor"), (2, "fsdp")]
+  assert owners._matrix_split((1, 6, 6), mesh) is None
   with owners.using(_mesh(data=True)):
     assert owners.view_split(view((16, 32)), P("fsdp", "tensor")) == [
         (1, "fsdp"), (1, "data"), (2, "tensor")]
@@ -341,10 +345,15 @@ def test_low_rank_tracking_on_owners_against_the_float64_reference(name):
   assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("name", ["muon", "galore", "alice"])
-def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name):
+@pytest.mark.parametrize("name,explicit", [
+    ("muon", False), ("galore", False), ("alice", False),
+    pytest.param("galore", True, marks=pytest.mark.slow),
+    pytest.param("muon", True, marks=pytest.mark.slow),
+    pytest.param("alice", True, marks=pytest.mark.slow)])
+def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name, explicit):
   """A zero gradient gives a zero update and a NaN gradient a NaN update, in its own
   leaf only, on the mesh as on one device (padding copies a real matrix, so no padded
-  slot meets a degenerate case of its own)."""
+  slot meets a degenerate case of its own); on ``Explicit`` axes each matrix travels
+  from the split read from its type."""
   util.assert_zero_and_nan_stay_in_their_leaf(_tx(name), PARAMS, _params, _grads, SPECS,
-                                              _mesh())
+                                              _mesh(explicit))

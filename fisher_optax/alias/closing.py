@@ -96,7 +96,9 @@ _COMMON_ARGS = """\
       Eigen-Adam),
       ``False`` elsewhere (docs: "Sharding and multi-host training", Communication).
       Give the jitted step ``out_shardings`` for the state (``fo.state_shardings``) so
-      that it keeps its layout from step to step.
+      that it keeps its layout from step to step. Each matrix travels from the split it
+      has: read from the gradients' types on ``Explicit`` axes; on ``Auto`` axes pass
+      ``fo.OwnerLayout(param_specs=...)`` (else it is guessed from the shape).
     fallback: transformation for the other leaves (default
       ``optax.adam(fallback_learning_rate)`` run in float32), e.g.
       ``optax.adamw(lr, weight_decay=0.1)``.

@@ -397,7 +397,8 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
   guess that XLA corrects matrix to matrix where it is wrong: on a mesh of one axis,
   FSDP's (the larger side; the rows of a square matrix); on a mesh of several,
   Megatron's column-parallel layout (the last mesh axis on the columns, the others on
-  the rows)."""
+  the rows), else, where that does not divide the matrix, its row-parallel one (the
+  last mesh axis on the rows, the others on the columns)."""
   if len(shape) < 3:
     return None
   m_axis, n_axis = len(shape) - 2, len(shape) - 1
@@ -409,10 +410,13 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
       if shape[a] % size == 0:
         return [(a, names[0])]
     return None
-  plan = [(m_axis, n) for n in names[:-1]] + [(n_axis, names[-1])]
-  need = {m_axis: math.prod(mesh.shape[n] for n in names[:-1]),
-          n_axis: mesh.shape[names[-1]]}
-  return plan if all(shape[a] % z == 0 for a, z in need.items()) else None
+  data, last = math.prod(mesh.shape[n] for n in names[:-1]), mesh.shape[names[-1]]
+  if shape[m_axis] % data == 0 and shape[n_axis] % last == 0:
+    return [(m_axis, n) for n in names[:-1]] + [(n_axis, names[-1])]
+  if shape[m_axis] % last == 0 and shape[n_axis] % data == 0:
+    # e.g. down_proj (344 x 128) under FSDP 16 x TP 2: 344 does not divide by 16
+    return [(m_axis, names[-1])] + [(n_axis, n) for n in names[:-1]]
+  return None
 
 
 def _entries(shape: tuple, split: Optional[list], axes: tuple) -> P:
@@ -484,6 +488,19 @@ def _from_owners(x, split):
   return x
 
 
+def _result_splits(out_leaves: list, padded: list, mesh, replicate: bool,
+                   layouts: Optional[Callable[[list, Any], list]]) -> list:
+  """How :func:`map_whole`'s results leave the owners: state (``replicate``) split as
+  ``layouts`` says where that splits it over every mesh axis, else gathered (``None``);
+  other results split as the gradients are guessed to be (:func:`_matrix_split`)."""
+  if not replicate:
+    return [_matrix_split(o.shape, mesh) for o in out_leaves]
+  # a split over some of the mesh axes only comes back replicated (then sliced)
+  out = [sp if sp is not None and len(sp) == len(mesh.axis_names) else None
+         for sp in (layouts(padded, None) if layouts is not None else [])]
+  return out + [None] * (len(out_leaves) - len(out))
+
+
 def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
               replicate: bool = False,
               layouts: Optional[Callable[[list, Any], list]] = None) -> Any:
@@ -511,27 +528,18 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   if on is None:
     return local(fn, *args)
   mesh, transport = on.mesh, on.transport_dtype
-  size = _mesh_size(mesh)
   k = next(a.shape[0] for a in args if a is not None)
-  pad = -k % size
-  padded = [None if a is None else
-            jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)], axis=0) if pad else a
-            for a in args]
+  pad = -k % _mesh_size(mesh)
+  padded = [a if a is None or not pad else
+            jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)], axis=0) for a in args]
   axes = tuple(mesh.axis_names)
   present = [i for i, a in enumerate(padded) if a is not None]
   dtypes = [padded[i].dtype for i in present]
   in_splits = [_matrix_split(padded[i].shape, mesh) for i in present]
   shapes = jax.eval_shape(lambda *xs: local(fn, *xs), *padded)
   out_leaves, out_tree = jax.tree.flatten(shapes)
-  if replicate:
-    # a split over some of the mesh axes only comes back replicated (then sliced)
-    out_splits = [sp if sp is not None and len(sp) == len(mesh.axis_names) else None
-                  for sp in (layouts(padded, None) if layouts is not None else [])]
-    out_splits += [None] * (len(out_leaves) - len(out_splits))
-  else:
-    out_splits = [_matrix_split(o.shape, mesh) for o in out_leaves]
-  # floating inputs travel in the transport dtype; the owners compute in their own
-  send = sender(transport)
+  out_splits = _result_splits(out_leaves, padded, mesh, replicate, layouts)
+  send = sender(transport)  # floating inputs travel in it; the owners compute in their own
 
   def body(*xs):
     full = [None] * len(padded)
@@ -544,13 +552,12 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
     return [send(r) if sp is None else _from_owners(send(r), sp)
             for r, sp in zip(res, out_splits)]
 
-  kw = _mesh_argument(mesh)
   out = jax.shard_map(
       body, in_specs=tuple(_entries(padded[i].shape, sp, axes)
                            for i, sp in zip(present, in_splits)),
       out_specs=[P() if replicate and sp is None else _entries(o.shape, sp, axes)
                  for o, sp in zip(out_leaves, out_splits)],
-      check_vma=False, **kw)(*[send(padded[i]) for i in present])
+      check_vma=False, **_mesh_argument(mesh))(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
                                        for y, o in zip(out, out_leaves)])
 
@@ -811,6 +818,26 @@ def _body_shapes(body, moved: list, owned: list, lengths: list) -> list:
             for g, (xs, n, st) in enumerate(zip(moved, lengths, owned))]
 
 
+def _split_entries(moved: list, splits: list, slots: list) -> tuple:
+  """One entry per group and split (the leaves that share a split travel as one stack):
+  ``(group, split)``, its leaves ``(index in the group, stack size)``, its matrices'
+  slots, and its stack."""
+  entries, members, entry_slots, stacks = [], [], [], []
+  for g, xs in enumerate(moved):
+    by: dict = {}
+    start = 0
+    for j, (x, sp) in enumerate(zip(xs, splits[g])):
+      by.setdefault(tuple(sp), []).append((j, range(start, start + x.shape[0])))
+      start += x.shape[0]
+    for key, ms in by.items():
+      parts = [xs[j] for j, _ in ms]
+      entries.append((g, list(key)))
+      members.append([(j, len(r)) for j, r in ms])
+      entry_slots.append([slots[g][i] for _, r in ms for i in r])
+      stacks.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+  return entries, members, entry_slots, stacks
+
+
 def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
                    splits: list) -> tuple:
   """:func:`run_owned` for groups whose matrices the owner layout's mesh splits
@@ -822,24 +849,9 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
   axes = tuple(mesh.axis_names)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
   shapes = _body_shapes(body, moved, owned, lengths)
-  # one entry per group and split: the leaves that share it travel as one stack
-  entries, members, entry_slots, entry_lengths, lays, stacks = [], [], [], [], [], []
-  for g, xs in enumerate(moved):
-    by: dict = {}
-    start = 0
-    for j, (x, sp) in enumerate(zip(xs, splits[g])):
-      by.setdefault(tuple(sp), []).append((j, range(start, start + x.shape[0])))
-      start += x.shape[0]
-    for key, ms in by.items():
-      parts = [xs[j] for j, _ in ms]
-      stack = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-      entries.append((g, list(key)))
-      members.append([(j, len(r)) for j, r in ms])
-      entry_slots.append([slots[g][i] for _, r in ms for i in r])
-      entry_lengths.append(lengths[g])
-      lays.append(_block_layout(stack.shape, list(key), mesh))
-      stacks.append(stack)
-  plan = _ExchangePlan.make(mesh, entry_slots, entry_lengths, lays, lays)
+  entries, members, entry_slots, stacks = _split_entries(moved, splits, slots)
+  lays = [_block_layout(x.shape, sp, mesh) for x, (_, sp) in zip(stacks, entries)]
+  plan = _ExchangePlan.make(mesh, entry_slots, [lengths[g] for g, _ in entries], lays, lays)
   send = sender(transport)
 
   def local(xs, leaves):

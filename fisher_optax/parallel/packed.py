@@ -108,6 +108,37 @@ def _split_of(x, given: Any, matrix: tuple, mesh) -> Optional[list]:
   return owners._matrix_split(tuple(x.shape), mesh)
 
 
+def _scan(mesh, items, groups, out_leaves, splits, replicate, layouts) -> tuple:
+  """Per (group, argument position) and per (group, result position), every leaf's
+  ``(split, item, k, start)``: how its arrays travel (:func:`_split_of`; results kept
+  as state: as ``layouts(args, split)`` says where that splits them over every mesh
+  axis), which item it is, its stack size and its offset in the group."""
+  found_in: dict = {}
+  found_out: dict = {}
+  for g, members in enumerate(groups):
+    start = 0
+    for j in members:
+      args = items[j]
+      k = next(a.shape[0] for a in args if a is not None)
+      matrix = next(tuple(a.shape[1:]) for a in args if a is not None)
+      given = splits[j] if splits is not None else None
+      for pos, x in enumerate(args):
+        if x is not None:
+          found_in.setdefault((g, pos), []).append(
+              (_split_of(x, given, matrix, mesh), j, k, start))
+      want = list(layouts(list(args), given)) if replicate and layouts is not None else []
+      for r, o in enumerate(out_leaves[g]):
+        shape = (k,) + tuple(o.shape[1:])
+        if replicate:
+          sp = want[r] if r < len(want) else None
+          sp = sp if sp is not None and len(sp) == len(mesh.axis_names) else None
+        else:
+          sp = _split_of(jax.ShapeDtypeStruct(shape, o.dtype), given, matrix, mesh)
+        found_out.setdefault((g, r), []).append((sp if len(shape) == 3 else None, j, k, start))
+      start += k
+  return found_in, found_out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Packing:
   """The static tables of one :func:`map_packed` call: ``slots``/``lengths``/``per`` per
@@ -141,59 +172,25 @@ class _Packing:
                + sum(math.prod(o.shape[1:]) for o in leaves)
                for args, leaves in zip(templates, out_leaves)]
     slots, lengths = owners.placement(ks, weights, size)
-    per = [n // size for n in lengths]
-    real = []
-    for g in range(len(groups)):
-      at = [False] * lengths[g]
-      for s in slots[g]:
-        at[s] = True
-      real.append(at)
-    found_in: dict = {}
-    found_out: dict = {}
-    for g, members in enumerate(groups):
-      start = 0
-      for j in members:
-        args = items[j]
-        k = next(a.shape[0] for a in args if a is not None)
-        matrix = next(tuple(a.shape[1:]) for a in args if a is not None)
-        given = splits[j] if splits is not None else None
-        for pos, x in enumerate(args):
-          if x is not None:
-            found_in.setdefault((g, pos), []).append(
-                (_split_of(x, given, matrix, mesh), j, k, start))
-        if replicate:
-          want = list(layouts(list(args), given)) if layouts is not None else []
-        for r, o in enumerate(out_leaves[g]):
-          shape = (k,) + tuple(o.shape[1:])
-          if replicate:
-            sp = want[r] if r < len(want) else None
-            sp = sp if sp is not None and len(sp) == len(mesh.axis_names) else None
-          else:
-            sp = _split_of(jax.ShapeDtypeStruct(shape, o.dtype), given, matrix, mesh)
-          found_out.setdefault((g, r), []).append(
-              (sp if len(shape) == 3 else None, j, k, start))
-        start += k
-    (ins, in_splits, local), (outs, out_splits, kept) = (_sorted(found_in),
-                                                         _sorted(found_out))
+    real = [[s in held for s in range(n)] for held, n in zip(map(set, slots), lengths)]
+    found_in, found_out = _scan(mesh, items, groups, out_leaves, splits, replicate, layouts)
+    (ins, in_splits, local), (outs, out_splits, kept) = _sorted(found_in), _sorted(found_out)
 
-    def plan(entries, entry_splits, shape_of):
+    def plan(entries, entry_splits, leaves):
       if not entries:
         return None
-      lays = [owners._block_layout(shape_of(e), sp, mesh)
-              for e, sp in zip(entries, entry_splits)]
+      lays = [owners._block_layout((len(e.at),) + tuple(leaves[e.g][e.pos].shape[1:]), sp,
+                                   mesh) for e, sp in zip(entries, entry_splits)]
       return owners._ExchangePlan.make(
-          mesh, [[slots[e.g][i] for i in e.at] for e in entries],
+          mesh, [[slots[e.g][a] for a in e.at] for e in entries],
           [lengths[e.g] for e in entries], lays, lays)
 
     gather = _Gather.make(
         [math.prod(out_leaves[e.g][e.pos].shape[1:]) for e in kept],
-        [[slots[e.g][i] for i in e.at] for e in kept], [lengths[e.g] for e in kept], size)
-    return cls(mesh, slots, lengths, per, real, ins, in_splits, outs, out_splits, kept,
-               local,
-               plan(ins, in_splits, lambda e: (len(e.at),) + tuple(templates[e.g][e.pos].shape[1:])),
-               plan(outs, out_splits,
-                    lambda e: (len(e.at),) + tuple(out_leaves[e.g][e.pos].shape[1:])),
-               gather)
+        [[slots[e.g][a] for a in e.at] for e in kept], [lengths[e.g] for e in kept], size)
+    return cls(mesh, slots, lengths, [n // size for n in lengths], real, ins, in_splits,
+               outs, out_splits, kept, local, plan(ins, in_splits, templates),
+               plan(outs, out_splits, out_leaves), gather)
 
   def mine(self, e: _Entry, me) -> tuple:
     """This owner's slots of group ``e.g``: the index of each in entry ``e``'s matrices
@@ -201,7 +198,8 @@ class _Packing:
     per = self.per[e.g]
     table = [0] * self.lengths[e.g]
     ok = [False] * self.lengths[e.g]
-    for i, s in enumerate(self.slots[e.g][i] for i in e.at):
+    for i, a in enumerate(e.at):
+      s = self.slots[e.g][a]
       table[s], ok[s] = i, True
     at = me * per + jnp.arange(per)
     return jnp.asarray(table, jnp.int32)[at], jnp.asarray(ok)[at]
@@ -269,8 +267,38 @@ class _Packing:
       n, per = math.prod(shape), self.per[e.g]
       out.append(jnp.stack([jax.lax.slice_in_dim(
           rows[s // per], self.gather.off[i][s], self.gather.off[i][s] + n).reshape(shape)
-          for s in (self.slots[e.g][i] for i in e.at)]))
+          for s in (self.slots[e.g][a] for a in e.at)]))
     return out
+
+
+  def step(self, xs, templates, out_leaves, fn, local, send) -> list:
+    """Inside ``shard_map``, on every device: the arguments in (``xs``: the exchanged
+    entries', then the replicated ones'), each group's function on this owner's slots,
+    the results back (exchanged, then gathered)."""
+    axes = tuple(self.mesh.axis_names)
+    me = jax.lax.axis_index(axes)
+    whole = self.whole(dict(zip(self.ins + self.local, xs)), templates, me, send)
+    results = []
+    for g, args in enumerate(templates):
+      mats = [None if a is None else whole[g, pos] for pos, a in enumerate(args)]
+      res = self.run(g, lambda mats=mats: jax.tree.leaves(local(fn, *mats)), me)
+      results.append([send(r) for r in res])
+    back = []
+    if self.plan_out is not None:
+      back = self.plan_out.blocks_back(jax.lax.all_to_all(
+          self.plan_out.rows_back([results[e.g][e.pos] for e in self.outs], me), axes, 0, 0,
+          tiled=True))  # row o: from owner o
+    blocks = [b.reshape((len(e.at),) + owners._block_layout(
+        (len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, self.mesh)[0])
+        for b, e, sp in zip(back, self.outs, self.out_splits)]
+    return blocks + self.gathered(results, out_leaves, me)
+
+def _template(items: list, members: list) -> list:
+  """The arguments of one group (``members`` of ``items``) as if concatenated: shapes
+  ``(sum of k_i, ...)``, ``None`` where absent."""
+  k = sum(next(a.shape[0] for a in items[j] if a is not None) for j in members)
+  return [None if a is None else jax.ShapeDtypeStruct((k,) + a.shape[1:], a.dtype)
+          for a in items[members[0]]]
 
 
 def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callable[..., Any],
@@ -293,57 +321,31 @@ def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callabl
   copy of its first matrix, so that no slot meets a degenerate input; their results are
   never sent."""
   on = owners._ACTIVE.get()
-  mesh, transport = on.mesh, on.transport_dtype
+  mesh, send = on.mesh, owners.sender(on.transport_dtype)
   axes = tuple(mesh.axis_names)
-  templates = []
-  for members in groups:
-    first = items[members[0]]
-    k = sum(next(a.shape[0] for a in items[j] if a is not None) for j in members)
-    templates.append([None if a is None else jax.ShapeDtypeStruct((k,) + a.shape[1:], a.dtype)
-                      for a in first])
+  templates = [_template(items, members) for members in groups]
   shapes = [jax.eval_shape(lambda *xs: local(fn, *xs), *args) for args in templates]
   out_leaves = [jax.tree.leaves(s) for s in shapes]
   if any(o.ndim < 2 or not jnp.issubdtype(o.dtype, jnp.floating)
          for leaves in out_leaves for o in leaves):
     return None
   pk = _Packing.make(mesh, items, groups, templates, out_leaves, splits, replicate, layouts)
-  send = owners.sender(transport)
-  entries = pk.ins + pk.local
-
-  def body(*xs):
-    me = jax.lax.axis_index(axes)
-    given = dict(zip(entries, xs))
-    whole = pk.whole(given, templates, me, send)
-    results = []
-    for g, args in enumerate(templates):
-      mats = [None if a is None else whole[g, pos] for pos, a in enumerate(args)]
-      res = pk.run(g, lambda mats=mats: jax.tree.leaves(local(fn, *mats)), me)
-      results.append([send(r) for r in res])
-    back = []
-    if pk.plan_out is not None:
-      back = pk.plan_out.blocks_back(jax.lax.all_to_all(
-          pk.plan_out.rows_back([results[e.g][e.pos] for e in pk.outs], me), axes, 0, 0,
-          tiled=True))  # row o: from owner o
-    blocks = [b.reshape((len(e.at),) + owners._block_layout(
-        (len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, mesh)[0])
-        for b, e, sp in zip(back, pk.outs, pk.out_splits)]
-    return blocks + pk.gathered(results, out_leaves, me)
 
   def joined(e):  # the leaves of one entry, one stack (they share a split)
     parts = [items[j][e.pos] for j in e.items]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
-  arrays = [joined(e) for e in entries]
-  in_specs = ([owners._entries(x.shape, sp, axes) for x, sp in zip(arrays, pk.in_splits)]
-              + [P()] * len(pk.local))
   res = jax.shard_map(
-      body, in_specs=tuple(in_specs),
+      lambda *xs: pk.step(xs, templates, out_leaves, fn, local, send),
+      in_specs=tuple([owners._entries((len(e.at),) + templates[e.g][e.pos].shape[1:], sp,
+                                      axes) for e, sp in zip(pk.ins, pk.in_splits)]
+                     + [P()] * len(pk.local)),
       out_specs=([owners._entries((len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, axes)
                   for e, sp in zip(pk.outs, pk.out_splits)] + [P()] * len(pk.kept)),
       check_vma=False, **owners._mesh_argument(mesh))(
-          *[send(x) for x in arrays[:len(pk.ins)]], *arrays[len(pk.ins):])
+          *[send(joined(e)) for e in pk.ins], *[joined(e) for e in pk.local])
   got = {}
-  for e, y in zip(pk.outs + pk.kept, res):
+  for e, y in zip(pk.outs + pk.kept, res):  # each entry's stack back to its leaves
     start = 0
     for j, k in zip(e.items, e.ks):
       got[j, e.pos] = y if k == y.shape[0] else jax.lax.slice_in_dim(y, start, start + k)
@@ -351,7 +353,6 @@ def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callabl
   out = [None] * len(items)
   for g, members in enumerate(groups):
     for j in members:
-      out[j] = jax.tree.unflatten(
-          jax.tree.structure(shapes[g]),
-          [got[j, r].astype(o.dtype) for r, o in enumerate(out_leaves[g])])
+      out[j] = jax.tree.unflatten(jax.tree.structure(shapes[g]), [
+          got[j, r].astype(o.dtype) for r, o in enumerate(out_leaves[g])])
   return out
