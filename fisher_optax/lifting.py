@@ -100,6 +100,12 @@ class Lifted:
     (:func:`fisher_optax.parallel.owners.view_split`); ``None`` elsewhere."""
     return [owners.view_split(v, s) for v, s in zip(self.views, self.specs)]
 
+  @property
+  def held_splits(self) -> list:
+    """Per leaf, the split its canonical matrices have where known (:attr:`splits`
+    without the mesh axes they are replicated over)."""
+    return [owners.view_split(v, s, spread=False) for v, s in zip(self.views, self.specs)]
+
   def leaves_of(self, tree: Any) -> list:
     """A tree of the same structure (e.g. a state field) -> its leaves in order."""
     return self.treedef.flatten_up_to(tree)

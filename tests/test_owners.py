@@ -77,16 +77,63 @@ def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
 @pytest.mark.slow
 @pytest.mark.parametrize("explicit", [False, True], ids=["auto_axes", "explicit_axes"])
 def test_alice_soap_on_owners_gives_the_single_device_updates(explicit):
-  """Alice-SOAP keeps the owner layout off by default (under tensor parallelism it sent
-  more); asked for, its two tracked bases refresh on the owners with the updates of
-  one device (on ``Explicit`` axes each from its parameter's split, the larger side's
-  basis pinned where the state keeps it)."""
+  """Alice-SOAP on the owners: its two tracked bases refresh there with the updates of
+  one device (on ``Explicit`` axes each from its parameter's split, the coefficients
+  laid out from it, the larger side's basis pinned where the state keeps it)."""
   tx = _tx("alice_soap", owner_layout=True)
   single, _ = _run(tx, 4)
   mesh = _mesh(explicit)
   with jax.set_mesh(mesh):
     sharded, _ = _run(tx, 4, mesh)
   _close(sharded, single, "alice_soap")
+
+
+def test_alice_soap_takes_the_owner_layout_where_the_split_is_known():
+  """Alice-SOAP's default: the owner layout where each matrix's split is known
+  (``Explicit`` axes, given specs) or right to guess (a mesh of one axis, FSDP), off
+  where it would be guessed on a mesh of several axes (a wrong guess moves its bases at
+  every step): the lowered programs are those of ``True`` and ``False``."""
+  lowered = lambda tx, mesh, **kw: _compiled(tx, mesh, compile=False, **kw)  # noqa: E731
+  default, on, off = (_tx("alice_soap"), _tx("alice_soap", owner_layout=True),
+                      _tx("alice_soap", owner_layout=False))
+  mesh = _mesh()
+  assert lowered(default, mesh) == lowered(off, mesh) != lowered(on, mesh)
+  emesh = _mesh(explicit=True)
+  assert lowered(default, emesh) == lowered(on, emesh) != lowered(off, emesh)
+  given = _tx("alice_soap", owner_layout=fo.OwnerLayout(param_specs=SPECS, guessed=False))
+  assert lowered(given, mesh) != lowered(off, mesh)
+  fsdp = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  one_axis = {"stack": P(None, None, "fsdp"), "w": P(None, "fsdp"), "t": P(None, "fsdp"),
+              "sq": P("fsdp"), "b": P()}
+  assert (lowered(default, fsdp, specs=one_axis) == lowered(on, fsdp, specs=one_axis)
+          != lowered(off, fsdp, specs=one_axis))
+
+
+def test_coefficients_are_laid_out_from_their_gradient_split():
+  """``sigma = U^T G`` keeps its gradient's column split (``r`` whole), which the blocks
+  on the coefficients then read (``leaf_specs``): known, guessed where nothing is known
+  of the gradient, and left alone where the columns are whole."""
+  shapes = {"w": (16, 32), "sq": (16, 16), "rows": (16, 32)}
+  specs = {"w": P("fsdp", "tensor"), "sq": P("tensor", "fsdp"), "rows": P("fsdp")}
+  views = [fo.matrices.matrix_view(shapes[k], fo.MatrixDims()) for k in sorted(shapes)]
+  coeffs = {k: jnp.zeros((4, shapes[k][1])) for k in shapes}
+  mesh = _mesh()
+  known = {k: (tuple(shapes[k[2:-2]]), sp) for k, sp in owners.path_specs(specs).items()}
+  found = {}
+
+  def derive(c, table):
+    with owners.using(mesh, None, table):
+      out, found["derived"] = owners.coefficient_layout(c, views)
+      with owners.deriving(found["derived"]):
+        found["read"] = owners.leaf_specs(c)
+    return out
+
+  with jax.set_mesh(mesh):
+    jax.jit(lambda c: derive(c, known)).lower(coeffs)
+    assert found["read"] == [None, P(None, "fsdp"), P(None, "tensor")]  # rows, sq, w
+    jax.jit(lambda c: derive(c, None)).lower(coeffs)
+    # guessed: Megatron's column-parallel split, the last mesh axis on the columns
+    assert found["read"] == [P(None, "tensor")] * 3
 
 
 def _compiled(tx, mesh, specs=SPECS, context=True, compile=True):

@@ -93,7 +93,8 @@ _COMMON_ARGS = """\
       built; parameters visibly replicated over ``Explicit`` axes keep the per-leaf
       state). Default ``"auto"`` where it was measured to send less (Muon, NorMuon,
       SWAN, GaLore, Fira, Alice, Alice-0, APOLLO, APOLLO-mini, SOAP, Shampoo,
-      Eigen-Adam),
+      Eigen-Adam; Alice-SOAP where each matrix's split is known or right to guess:
+      ``Explicit`` axes, given ``param_specs``, or a mesh of one axis),
       ``False`` elsewhere (docs: "Sharding and multi-host training", Communication).
       Give the jitted step ``out_shardings`` for the state (``fo.state_shardings``) so
       that it keeps its layout from step to step. Each matrix travels from the split it

@@ -9,6 +9,7 @@ import optax
 
 from fisher_optax import matrices, validation
 from fisher_optax.alias.closing import finish, named
+from fisher_optax.parallel import owners
 from fisher_optax.blocks import (compensate, low_rank_track, power_track, scale_by_moments,
                                  scale_by_shape)
 from fisher_optax.refresh import switch
@@ -168,7 +169,7 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
                mask: Any = None,
                dims: matrices.DimsSpec = None,
                stack_matrices: Union[bool, str] = "auto",
-               owner_layout: Any = False,
+               owner_layout: Any = "auto",
                fallback: Optional[optax.GradientTransformation] = None,
                fallback_learning_rate: Optional[optax.ScalarOrSchedule] = None,
                state_dtype=None) -> optax.GradientTransformationExtraArgs:
@@ -242,6 +243,10 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
   def blocks(bd):
     return _alice_chain(rank=rank, seed=seed, dims=bd, core=optax.chain(*right),
                         **common) + [optax.scale(alpha)]
+
+  if isinstance(owner_layout, str) and owner_layout == owners.AUTO:
+    # its bases stay where the parameters' split puts them: off where that is guessed
+    owner_layout = owners.OwnerLayout(guessed=False)
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,

@@ -123,7 +123,7 @@ class _Tracker:
     u_leaves = lifted.leaves_of(state.basis)
     q_leaves = lifted.leaves_of(state.tracked) if self.has_tracking else [None] * len(leaves)
     new_flat_u, new_flat_q = self.refresh_all(state, gcs, u_leaves, q_leaves, lifted.splits,
-                                              self.basis_splits(lifted))
+                                              self.basis_splits(lifted), lifted.held_splits)
     out, new_u, new_q = [], [], []
     step = grouping.shared(self.project)  # traced once per leaf shape
     for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
@@ -159,7 +159,8 @@ class _Tracker:
       return lifted.splits
     return [owners.sized_split(v.m, p) for v, p in zip(lifted.views, lifted.param_specs)]
 
-  def refresh_all(self, state, gcs, u_leaves, q_leaves, splits, basis_splits):
+  def refresh_all(self, state, gcs, u_leaves, q_leaves, splits, basis_splits,
+                  held_splits=None):
     """Bases (and tracked states, re-expressed) after this step's refresh, per leaf as
     ``[matrices, ...]`` arrays. One lax.cond (keep / refresh) holds every refresh of the
     tree, so an ordinary step runs none of this; inside it the policy's operand
@@ -171,7 +172,9 @@ class _Tracker:
     ``basis_from``, so they share the operands, grouping, non-finite guard and
     re-expression (one compiled copy instead of one per branch). ``splits``: per leaf,
     its matrices' split over the owner layout's mesh where known (``Lifted.splits``);
-    ``basis_splits``: where the state keeps its basis (:meth:`basis_splits`)."""
+    ``basis_splits``: where the state keeps its basis (:meth:`basis_splits`);
+    ``held_splits``: the split the matrices have, where known
+    (:attr:`fisher_optax.lifting.Lifted.held_splits`)."""
     flat_g = [gc.reshape((-1,) + gc.shape[-2:]) for gc in gcs]
     flat_u, flat_q = self.as_stacks(u_leaves), self.as_stacks(q_leaves)
     count = state.count
@@ -204,6 +207,11 @@ class _Tracker:
       return ([owners.pinned_basis(u, g.shape, self.side == "larger", sp)
                for u, g, sp in zip(us, flat_g, basis_splits)], owners.pinned(qs))
 
+    # the operands pinned too: left to XLA, they took the refresh's layout before the
+    # conditional, and every ordinary step moved the bases there and back
+    flat_u, flat_q = pinned((flat_u, flat_q))
+    flat_g = [owners.pinned_stack(g, sp)
+              for g, sp in zip(flat_g, held_splits or [None] * len(flat_g))]
     return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
                         lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import lifting, linalg, matrices, validation
+from fisher_optax.parallel import owners
 
 MISUSE = (
     "a low-rank `Subspace` message (made by low_rank_track or random_project) was used "
@@ -203,7 +204,10 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
       return s.coeffs
 
     coeffs = jax.tree.map(get, updates, is_leaf=is_subspace)
-    new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
+    views = [s.view for s in jax.tree.leaves(updates, is_leaf=is_subspace)]
+    coeffs, derived = owners.coefficient_layout(coeffs, views)
+    with owners.deriving(derived):
+      new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
     out = jax.tree.map(lambda s, c: s.with_coeffs(c.astype(jnp.float32)),
                        updates, new_coeffs, is_leaf=is_subspace)
     return out, OnCoefficientsState(inner_state=inner_state)
