@@ -92,6 +92,9 @@ class Switch:
   seed: int = 0
   iters: int = 1
 
+  # operand() of a wide matrix is its Gram G G^T, a sum over its columns
+  reads_gram = True
+
   @property
   def random(self) -> bool:
     return self.leading is not None
@@ -255,6 +258,7 @@ class SvdRefresh:
 
   random = False
   seed = 0
+  reads_gram = False
 
   def operand(self, g: jax.Array) -> jax.Array:
     """The gradient itself (float32): an SVD reads ``G``."""

@@ -393,6 +393,42 @@ def test_low_rank_tracking_on_owners_against_the_float64_reference(name):
 
 
 @pytest.mark.parametrize("name,explicit", [
+    ("alice", False), ("galore", True),
+    pytest.param("alice", True, marks=pytest.mark.slow),
+    pytest.param("alice_soap", False, marks=pytest.mark.slow)])
+def test_a_wide_matrix_sums_its_gram_in_place_against_the_float64_reference(
+    name, explicit, monkeypatch):
+  """2 matrices 8 x 64, each larger than a device's share of the refreshes' work, rows
+  split over ``fsdp`` and columns over ``tensor``: their Gram is summed where their
+  columns are (``owners.gram_in_place``) and every device refreshes its basis, with the
+  dense float64 re-derivation's updates over 7 steps (refreshes at 1, 4 and 7)."""
+  shape = (2, 8, 64)
+  calls = []
+  summed = owners.summed_in_place
+  monkeypatch.setattr(owners, "summed_in_place",
+                      lambda g, *a: calls.append(g.shape) or summed(g, *a))
+  grads = util.structured_grads(shape, 7, seed=2)
+  kw = registry.WITH_REFERENCE[name]
+  want = util.run_reference(name, shape, grads, **kw)
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=True)
+  got = util.updates_on_mesh(tx, shape, grads, _mesh(explicit), P(None, "fsdp", "tensor"))
+  assert calls and all(c[-2:] == (8, 64) for c in calls), calls
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+def test_only_a_dominant_wide_matrix_sums_its_gram_in_place():
+  """``gram_in_place``: a wide matrix larger than a device's share, or whose Gram is
+  small next to it; not a square one, a tall one, or one whose columns the devices do
+  not divide; nothing without the owner layout."""
+  shapes = [(1, 128, 2048), (8, 128, 128), (4, 128, 344), (1, 2048, 32), (1, 128, 2044),
+            (1, 16, 4096)]
+  assert owners.gram_in_place(shapes) == [False] * 6
+  with owners.using(_mesh()):
+    assert owners.gram_in_place(shapes) == [True, False, False, False, False, True]
+
+
+@pytest.mark.parametrize("name,explicit", [
     ("muon", False), ("galore", False), ("alice", False),
     pytest.param("galore", True, marks=pytest.mark.slow),
     pytest.param("muon", True, marks=pytest.mark.slow),

@@ -193,9 +193,29 @@ class _Tracker:
       def fn(x1, u1, q1, n1):
         return self.refresh_matrix(form(x1), u1, q1, n1, first)
 
-      outs = grouping.map_grouped(fn, self.refresh_arguments(gs, us, qs, key, count,
-                                                              operand=not on_owners),
-                                  state=True, layouts=self.layouts, splits=splits)
+      args = self.refresh_arguments(gs, us, qs, key, count, operand=not on_owners)
+      # a wide matrix larger than a device's share of the owners' work (an output
+      # layer) sums its Gram where its columns are instead (owners.gram_in_place)
+      local = (owners.gram_in_place([g.shape for g in gs])
+               if on_owners and self.policy.reads_gram else [False] * len(gs))
+      outs = [None] * len(gs)
+      owned = [j for j, here in enumerate(local) if not here]
+      for j, o in zip(owned, grouping.map_grouped(
+          fn, [args[j] for j in owned], state=True, layouts=self.layouts,
+          splits=[splits[j] for j in owned])):
+        outs[j] = o
+      placed = [j for j, here in enumerate(local) if here]
+      if placed:
+        grams = [(owners.summed_in_place(args[j][0], self.policy.operand, held[j]),)
+                 + args[j][1:] for j in placed]
+
+        def here(items):  # every device refreshes the m x m Gram's basis
+          with owners.using(None):
+            return grouping.map_grouped(
+                lambda *a: self.refresh_matrix(a[0], *a[1:], first), items, state=True)
+
+        for j, o in zip(placed, owners.everywhere(here, grams)):
+          outs[j] = o
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
@@ -210,8 +230,8 @@ class _Tracker:
     # the operands pinned too: left to XLA, they took the refresh's layout before the
     # conditional, and every ordinary step moved the bases there and back
     flat_u, flat_q = pinned((flat_u, flat_q))
-    flat_g = [owners.pinned_stack(g, sp)
-              for g, sp in zip(flat_g, held_splits or [None] * len(flat_g))]
+    held = held_splits or [None] * len(flat_g)
+    flat_g = [owners.pinned_stack(g, sp) for g, sp in zip(flat_g, held)]
     return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
                         lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
 

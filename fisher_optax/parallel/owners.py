@@ -807,6 +807,51 @@ def pinned_basis(u: jax.Array, matrix_shape: tuple, larger: bool,
   return _constrain(u, spec, on.mesh)
 
 
+def gram_in_place(shapes: list) -> list:
+  """Per stack ``(k, m, n)`` of one refresh, whether its Gram ``G G^T`` is summed where
+  its columns are rather than on an owner (:func:`summed_in_place`): under the owner
+  layout, for a wide matrix (``2 m <= n``) whose columns the mesh's ``P`` devices
+  divide, when it is larger than a device's share of all the stacks (on one owner it
+  would set the length of every device's exchange: the tiny LLaMA's 128 x 2048 output
+  layer is 20% of its parameters) or its Gram is small next to it (``2 m P <= n``). A
+  device then sends about ``2 m^2`` numbers for it (the sum of the ``m x m`` Grams)
+  instead of ``m n / P`` to its owner."""
+  on = _ACTIVE.get()
+  if on is None:
+    return [False] * len(shapes)
+  size = _mesh_size(on.mesh)
+  share = sum(math.prod(s) for s in shapes) / size
+  out = []
+  for s in shapes:
+    m, n = s[-2], s[-1]
+    wide = 2 * m <= n and n % size == 0
+    out.append(wide and (m * n > share or 2 * m * size <= n))
+  return out
+
+
+def summed_in_place(g: jax.Array, operand: Callable, split: Optional[list] = None
+                    ) -> jax.Array:
+  """``operand(g)`` (a Gram ``G G^T`` per matrix of the stack ``g``) with ``g``'s columns
+  split over every mesh axis, those that split them already first (``split``: the
+  stack's split where known, else guessed): each device forms the Gram of its columns
+  and one all-reduce sums them, left on every device (:func:`gram_in_place`)."""
+  on = _ACTIVE.get()
+  names = tuple(on.mesh.axis_names)
+  split = split if split is not None else _matrix_split(g.shape, on.mesh) or []
+  cols = tuple(n for a, n in split if a == g.ndim - 1)
+  spec = P(*([None] * (g.ndim - 1)), cols + tuple(n for n in names if n not in cols))
+  return _constrain(operand(_constrain(g, spec, on.mesh)), P(), on.mesh)
+
+
+def everywhere(fn: Callable, args: Any) -> Any:
+  """``fn(args)`` on every device of the owner layout's mesh from replicated ``args``,
+  with replicated results and no collective: left to XLA, a refresh of a Gram summed in
+  place (:func:`summed_in_place`) was partitioned with gathers inside its loops."""
+  on = _ACTIVE.get()
+  return jax.shard_map(fn, in_specs=P(), out_specs=P(), check_vma=False,
+                       **_mesh_argument(on.mesh))(args)
+
+
 def pinned_stack(x: jax.Array, split: Optional[list]) -> jax.Array:
   """Under the owner layout, a stack ``(k, m, n)`` kept where ``split`` says
   (:func:`view_split` with ``spread=False``; ``None``: not known, left to XLA)."""
