@@ -112,7 +112,7 @@ def test_alice_soap_takes_the_owner_layout_where_the_split_is_known():
 def test_coefficients_are_laid_out_from_their_gradient_split():
   """``sigma = U^T G`` keeps its gradient's column split (``r`` whole), which the blocks
   on the coefficients then read (``leaf_specs``): known, guessed where nothing is known
-  of the gradient, and left alone where the columns are whole."""
+  of the gradient on a mesh of one axis, and left alone where the columns are whole."""
   shapes = {"w": (16, 32), "sq": (16, 16), "rows": (16, 32)}
   specs = {"w": P("fsdp", "tensor"), "sq": P("tensor", "fsdp"), "rows": P("fsdp")}
   views = [fo.matrices.matrix_view(shapes[k], fo.MatrixDims()) for k in sorted(shapes)]
@@ -132,8 +132,13 @@ def test_coefficients_are_laid_out_from_their_gradient_split():
     jax.jit(lambda c: derive(c, known)).lower(coeffs)
     assert found["read"] == [None, P(None, "fsdp"), P(None, "tensor")]  # rows, sq, w
     jax.jit(lambda c: derive(c, None)).lower(coeffs)
-    # guessed: Megatron's column-parallel split, the last mesh axis on the columns
-    assert found["read"] == [P(None, "tensor")] * 3
+    assert found["read"] == [None] * 3  # not guessed on a mesh of several axes
+  fsdp = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = fsdp
+  with jax.set_mesh(fsdp):
+    jax.jit(lambda c: derive(c, None)).lower(coeffs)
+    # guessed on a mesh of one axis: FSDP's split, the larger side
+    assert found["read"] == [P(None, "fsdp"), None, P(None, "fsdp")]  # rows, sq, w
 
 
 def _compiled(tx, mesh, specs=SPECS, context=True, compile=True):
@@ -410,8 +415,11 @@ def test_a_wide_matrix_sums_its_gram_in_place_against_the_float64_reference(
   grads = util.structured_grads(shape, 7, seed=2)
   kw = registry.WITH_REFERENCE[name]
   want = util.run_reference(name, shape, grads, **kw)
-  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=True)
-  got = util.updates_on_mesh(tx, shape, grads, _mesh(explicit), P(None, "fsdp", "tensor"))
+  spec = P(None, "fsdp", "tensor")
+  # the split known: read from the types, or given on Auto axes
+  layout = True if explicit else fo.OwnerLayout(param_specs={"w": spec})
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=layout)
+  got = util.updates_on_mesh(tx, shape, grads, _mesh(explicit), spec)
   assert calls and all(c[-2:] == (8, 64) for c in calls), calls
   err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
   assert err < 1e-4, err
@@ -420,12 +428,19 @@ def test_a_wide_matrix_sums_its_gram_in_place_against_the_float64_reference(
 def test_only_a_dominant_wide_matrix_sums_its_gram_in_place():
   """``gram_in_place``: a wide matrix larger than a device's share, or whose Gram is
   small next to it; not a square one, a tall one, or one whose columns the devices do
-  not divide; nothing without the owner layout."""
+  not divide; where its split is known or the mesh has one axis (FSDP's split, which
+  the guess gets right); nothing without the owner layout."""
   shapes = [(1, 128, 2048), (8, 128, 128), (4, 128, 344), (1, 2048, 32), (1, 128, 2044),
             (1, 16, 4096)]
-  assert owners.gram_in_place(shapes) == [False] * 6
+  want = [True, False, False, False, False, True]
+  known = [[(1, "fsdp"), (2, "tensor")]] * 6
+  assert owners.gram_in_place(shapes, known) == [False] * 6
   with owners.using(_mesh()):
-    assert owners.gram_in_place(shapes) == [True, False, False, False, False, True]
+    assert owners.gram_in_place(shapes, known) == want
+    assert owners.gram_in_place(shapes) == [False] * 6  # guessed on two axes
+  fsdp = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  with owners.using(fsdp):
+    assert owners.gram_in_place(shapes) == want
 
 
 @pytest.mark.parametrize("name,explicit", [

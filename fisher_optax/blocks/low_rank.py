@@ -196,7 +196,7 @@ class _Tracker:
       args = self.refresh_arguments(gs, us, qs, key, count, operand=not on_owners)
       # a wide matrix larger than a device's share of the owners' work (an output
       # layer) sums its Gram where its columns are instead (owners.gram_in_place)
-      local = (owners.gram_in_place([g.shape for g in gs])
+      local = (owners.gram_in_place([g.shape for g in gs], held)
                if on_owners and self.policy.reads_gram else [False] * len(gs))
       outs = [None] * len(gs)
       owned = [j for j, here in enumerate(local) if not here]
