@@ -88,6 +88,7 @@ def test_alice_soap_on_owners_gives_the_single_device_updates(explicit):
   _close(sharded, single, "alice_soap")
 
 
+@pytest.mark.slow
 def test_alice_soap_takes_the_owner_layout_where_the_split_is_known():
   """Alice-SOAP's default: the owner layout where each matrix's split is known
   (``Explicit`` axes, given specs) or right to guess (a mesh of one axis, FSDP), off
