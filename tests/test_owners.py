@@ -428,6 +428,28 @@ def test_a_wide_matrix_sums_its_gram_in_place_against_the_float64_reference(
   assert err < 1e-4, err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("leaf", ["wide", "w"])
+def test_zero_and_nan_gradients_of_a_wide_matrix_summed_in_place(leaf, monkeypatch):
+  """A zero or NaN gradient in the wide matrix whose Gram is summed in place, or in a
+  matrix beside it on the owners: the update of one device, the degenerate leaf alone
+  affected (``Explicit`` axes: the split read from the types)."""
+  calls = []
+  summed = owners.summed_in_place
+  monkeypatch.setattr(owners, "summed_in_place",
+                      lambda g, *a: calls.append(g.shape) or summed(g, *a))
+  shapes = {"wide": (8, 64), "w": (16, 32), "stack": (4, 16, 32)}
+  specs = {"wide": P("fsdp", "tensor"), "w": P("fsdp", "tensor"),
+           "stack": P(None, "fsdp", "tensor")}
+  dims = {k: fo.MatrixDims() for k in shapes}
+  tx = fo.galore(0.01, dims=dims, **registry.kwargs("galore", dims=None))
+  util.assert_zero_and_nan_stay_in_their_leaf(
+      tx, shapes, lambda: util.random_tree(shapes, 0, 0.1),
+      lambda t: util.random_tree(shapes, 100 + 7 * t), specs, _mesh(explicit=True),
+      leaf=leaf, other="stack")
+  assert (8, 64) in [c[-2:] for c in calls], calls
+
+
 def test_only_a_dominant_wide_matrix_sums_its_gram_in_place():
   """``gram_in_place``: a wide matrix larger than a device's share, or whose Gram is
   small next to it; not a square one, a tall one, or one whose columns the devices do
