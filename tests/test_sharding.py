@@ -368,6 +368,27 @@ def test_state_layouts_follow_declared_roles_not_field_names():
   assert len(tracked) == 2 and all(v["w"] == P() for _, v in tracked)
 
 
+def test_a_larger_side_basis_follows_the_split_columns_of_a_square_parameter():
+  """Alice-SOAP's right basis ``V`` (``n x k``, the columns' side): for a square
+  parameter whose columns are split (tensor parallelism) it is split as they are, and
+  where only the rows are split (FSDP) as the rows, as before; its left basis ``U``
+  follows the rows either way."""
+  params = {"q": jnp.zeros((16, 16)), "f": jnp.zeros((16, 16))}
+  specs = {"q": P("fsdp", "tensor"), "f": P("fsdp", None)}
+  tx = fo.alice_soap(1e-2, rank=4, leading=1, dims={k: fo.MatrixDims() for k in params},
+                     stack_matrices=False, owner_layout=False)
+  out = fo.state_partition_specs(tx, params, specs)
+  state = jax.eval_shape(tx.init, params)
+  is_track = lambda x: isinstance(x, fo.LowRankTrackState)  # noqa: E731
+  nodes = jax.tree.leaves(state, is_leaf=is_track)
+  found = [n for n in jax.tree.leaves(out, is_leaf=is_track) if is_track(n)]
+  kinds = [type(n) for n in nodes if is_track(n)]
+  assert kinds == [fo.LowRankTrackState, fo.LowRankTrackLargerState], kinds
+  left, right = found
+  assert left.basis == {"q": P("fsdp"), "f": P("fsdp")}
+  assert right.basis == {"q": P("tensor"), "f": P("fsdp")}
+
+
 def test_an_unknown_declared_role_is_an_error():
   class Bad(NamedTuple):
     x: Any

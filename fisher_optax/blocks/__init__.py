@@ -7,7 +7,7 @@ in :mod:`fisher_optax.refresh`."""
 
 from fisher_optax.blocks.compensate import CompensateState, compensate
 from fisher_optax.blocks.limiter import NormGrowthLimiterState, limit_growth, norm_growth_limiter
-from fisher_optax.blocks.low_rank import LowRankTrackState, low_rank_track
+from fisher_optax.blocks.low_rank import LowRankTrackLargerState, LowRankTrackState, low_rank_track
 from fisher_optax.blocks.power import PowerTrackState, power_track
 from fisher_optax.blocks.subspace import (OnCoefficientsState, Subspace, SubspaceGuard,
                                           in_subspace, on_coefficients, project_back)

@@ -378,17 +378,21 @@ def leaf_param_specs(tree: Any) -> list:
   return [on.specs.get(k) for k in keys]
 
 
-def sized_split(size: int, param: Optional[tuple]) -> Optional[list]:
+def sized_split(size: int, param: Optional[tuple], last: bool = False) -> Optional[list]:
   """The split of the rows of a stack ``(k, size, r)`` (a basis of a side of ``size``)
   that ``fo.state_shardings`` gives a state array of its parameter ``param`` (``(shape,
-  spec)``): the mesh axes of the parameter's axis of that size (the first of two),
-  ``[]`` where it is replicated, ``None`` where no axis has that size or nothing is
-  known."""
+  spec)``): the mesh axes of the parameter's axis of that size (the first of two; with
+  ``last``, for a basis of the columns, the last of two where it is split, as the
+  state's role ``columns`` says), ``[]`` where it is replicated, ``None`` where no axis
+  has that size or nothing is known."""
   if param is None:
     return None
   shape, spec = param
   entries = list(spec) + [None] * (len(shape) - len(spec))
-  for d, e in zip(shape, entries):
+  pairs = list(zip(shape, entries))
+  if last and [e for d, e in pairs if d == size][-1:] == [None]:
+    last = False  # the columns whole: as the rows, which "auto" gives a square parameter
+  for d, e in (pairs[::-1] if last else pairs):
     if d == size:
       return [(1, n) for n in (() if e is None else e if isinstance(e, tuple) else (e,))]
   return None

@@ -12,8 +12,10 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
   likewise, Adam moments exactly like the parameter); fields whose state NamedTuple
   declares a role in its ``SHARDING`` class attribute follow it, not their name: ``d x d``
   rotation statistics and bases (``left_square``/``right_square``) are split on their first
-  axis only, tracked ``r x r`` states, eigenvalues and PRNG keys (``replicated``) are
-  replicated, as is every leaf not attributable to a parameter (step counters);
+  axis only, a larger side's low-rank basis (``columns``) as a square parameter's columns
+  where they are split, tracked ``r x r`` states, eigenvalues and PRNG keys
+  (``replicated``) are replicated, as is every leaf not attributable to a parameter (step
+  counters);
 * a mesh axis is used at most once per spec, and only where the size divides (when a
   ``mesh`` is given);
 * state kept in the owner layout (``rotate(..., owners=P)``, the rotation family's
@@ -47,6 +49,7 @@ ROLES = ("replicated",    # small per-matrix arrays: tracked r x r states, eigen
          "rows",          # 1-D per-matrix vectors along the rows (decides square params)
          "owners",        # stacks kept in the owner layout: leading axis over every mesh axis
          "spread",        # rotated where their shards are: the larger side over every mesh axis
+         "columns",       # a larger side's basis: first axis like the columns where split
          "auto")
 
 
@@ -127,6 +130,8 @@ def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
         entries.append(cands[0][1] if cands else None)
         continue
       cands = [sd for sd in sides if sd[0] == d]
+      if len(cands) > 1 and role == "columns" and cols[1] is not None and pos == 0:
+        cands = [cols]  # a square parameter's split columns (tensor parallelism)
       if len(cands) > 1:  # square parameter: positional (rows first) unless a vector
         cands = [cands[pos if len(trailing) == 2 else (-1 if role != "rows" else 0)]]
       entries.append(cands[0][1] if cands else None)
