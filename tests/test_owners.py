@@ -450,6 +450,29 @@ def test_zero_and_nan_gradients_of_a_wide_matrix_summed_in_place(leaf, monkeypat
   assert (8, 64) in [c[-2:] for c in calls], calls
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", [1e-30, 1e18])
+def test_tiny_and_huge_gradients_of_a_wide_matrix_summed_in_place(scale):
+  """Gradients near ``1e-30`` and ``1e18`` through the in-place Gram (GaLore, whose
+  refresh reads ``G / max|G|``): finite updates, those of one device."""
+  shapes = {"wide": (8, 64), "w": (16, 32), "stack": (4, 16, 32)}
+  specs = {"wide": P("fsdp", "tensor"), "w": P("fsdp", "tensor"),
+           "stack": P(None, "fsdp", "tensor")}
+  tx = fo.galore(0.01, dims={k: fo.MatrixDims() for k in shapes},
+                 **registry.kwargs("galore", dims=None))
+  params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
+  grads = lambda t: jax.tree.map(lambda g: g * scale,  # noqa: E731
+                                 util.random_tree(shapes, 100 + 7 * t))
+  single, _ = util.run_sharded(tx, params(), grads, specs, 4)
+  mesh = _mesh(explicit=True)
+  with jax.set_mesh(mesh):
+    sharded, _ = util.run_sharded(tx, params(), grads, specs, 4, mesh)
+  for k in shapes:
+    a, b = np.asarray(sharded[k]), np.asarray(single[k])
+    assert np.isfinite(a).all(), k
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_only_a_dominant_wide_matrix_sums_its_gram_in_place():
   """``gram_in_place``: a wide matrix larger than a device's share, or whose Gram is
   small next to it; not a square one, a tall one, or one whose columns the devices do

@@ -30,6 +30,7 @@ compiled refresh) and applies ``Q`` as ``b3 U_old (Q~ (U_old^T U)) + (1 - b3) C 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -206,34 +207,8 @@ class _Tracker:
 
     def refresh(operands):
       gs, us, qs, key = operands
-      form = self.policy.operand if on_owners else (lambda x: x)
-
-      def fn(x1, u1, q1, n1):
-        return self.refresh_matrix(form(x1), u1, q1, n1, first)
-
       args = self.refresh_arguments(gs, us, qs, key, count, operand=not on_owners)
-      # a wide matrix larger than a device's share of the owners' work (an output
-      # layer) sums its Gram where its columns are instead (owners.gram_in_place)
-      local = (owners.gram_in_place([g.shape for g in gs], held)
-               if on_owners and self.policy.reads_gram else [False] * len(gs))
-      outs = [None] * len(gs)
-      owned = [j for j, here in enumerate(local) if not here]
-      for j, o in zip(owned, grouping.map_grouped(
-          fn, [args[j] for j in owned], state=True, layouts=self.layouts,
-          splits=[splits[j] for j in owned])):
-        outs[j] = o
-      placed = [j for j, here in enumerate(local) if here]
-      if placed:
-        grams = [(owners.summed_in_place(args[j][0], self.policy.operand, held[j]),)
-                 + args[j][1:] for j in placed]
-
-        def here(items):  # every device refreshes the m x m Gram's basis
-          with owners.using(None):
-            return grouping.map_grouped(
-                lambda *a: self.refresh_matrix(a[0], *a[1:], first), items, state=True)
-
-        for j, o in zip(placed, owners.everywhere(here, grams)):
-          outs[j] = o
+      outs = self.refresh_stacks(args, first, on_owners, splits, held)
       return [o[0] for o in outs], [o[1] for o in outs]
 
     def keep(operands):
@@ -252,6 +227,42 @@ class _Tracker:
     flat_g = [owners.pinned_stack(g, sp) for g, sp in zip(flat_g, held)]
     return jax.lax.cond((count % self.interval) == 0, lambda ops: pinned(refresh(ops)),
                         lambda ops: pinned(keep(ops)), (flat_g, flat_u, flat_q, state.key))
+
+  def refresh_stacks(self, args, first, on_owners, splits, held):
+    """Per leaf, ``(new basis, re-expressed tracked state)`` of a refresh from its
+    arguments (:meth:`refresh_arguments`). Under the owner layout the owners form the
+    operand from whole gradients and run :meth:`refresh_matrix`, except for a wide
+    matrix larger than a device's share of their work (an output layer): its Gram is
+    summed where its columns are and every device refreshes its basis
+    (``owners.gram_in_place``, ``summed_in_place``, ``everywhere``); the same operand
+    and the same refresh either way. ``splits`` / ``held``: per leaf, its matrices'
+    split for the exchange and the split they have, where known."""
+    form = self.policy.operand if on_owners else (lambda x: x)
+
+    def fn(x1, u1, q1, n1, form=form):
+      return self.refresh_matrix(form(x1), u1, q1, n1, first)
+
+    local = (owners.gram_in_place([a[0].shape for a in args], held)
+             if on_owners and self.policy.reads_gram else [False] * len(args))
+    outs = [None] * len(args)
+    owned = [j for j, here in enumerate(local) if not here]
+    for j, o in zip(owned, grouping.map_grouped(
+        fn, [args[j] for j in owned], state=True, layouts=self.layouts,
+        splits=[splits[j] for j in owned])):
+      outs[j] = o
+    placed = [j for j, here in enumerate(local) if here]
+    if placed:
+      grams = [(owners.summed_in_place(args[j][0], self.policy.operand, held[j]),)
+               + args[j][1:] for j in placed]
+
+      def here(items):  # every device refreshes the m x m Gram's basis
+        with owners.using(None):
+          return grouping.map_grouped(functools.partial(fn, form=lambda x: x), items,
+                                      state=True)
+
+      for j, o in zip(placed, owners.everywhere(here, grams)):
+        outs[j] = o
+    return outs
 
   def layouts(self, args, split=None):
     """Under the owner layout, where a refresh's results come back (``args``: a leaf's
