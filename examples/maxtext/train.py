@@ -14,8 +14,9 @@ overrides of its ``base.yml``, or a config path first). MaxText builds its optim
 * its learning rate follows MaxText's schedule (warm-up, decay) scaled to
   ``--learning-rate`` at its peak; the other parameters get MaxText's AdamW at MaxText's
   own ``learning_rate`` and ``adam_*`` settings;
-* ``fo.describe`` prints the routing of every parameter before training, and one line
-  the optimizer state's bytes on the first device against the whole state's.
+* ``fo.describe`` prints the routing of every parameter before training, one line the
+  optimizer state's bytes on the first device against the whole state's, and one the
+  model's parameter bytes.
 
 MaxText needs Python 3.12 or newer (``pip install maxtext``; see the docs page
 "MaxText").
@@ -113,10 +114,22 @@ def state_report(state) -> str:
           f"({100 * first / max(total, 1):.1f}%, {len(jax.devices())} devices)")
 
 
+def parameter_report(state) -> str:
+  """The model's parameter bytes (the floating leaves of the training state's model)."""
+  import jax
+  import jax.numpy as jnp
+  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  total = sum(x.nbytes for p, x in leaves
+              if jax.tree_util.keystr(p).startswith("['model']") and isinstance(x, jax.Array)
+              and jnp.issubdtype(x.dtype, jnp.floating))
+  return f"parameters: {total:,} bytes"
+
+
 def _reporting(setup):
   def wrapped(*args, **kwargs):
     out = setup(*args, **kwargs)
     print(state_report(out[0]), flush=True)
+    print(parameter_report(out[0]), flush=True)
     return out
   return wrapped
 
