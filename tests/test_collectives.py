@@ -183,3 +183,44 @@ def test_dion_sends_factors_where_muon_sends_matrices():
   factors = 4 * 4 * (256 * 16 + 2 * 64 * 16) * 7 / 8
   assert factors <= sent["dion"] <= 1.2 * factors, (sent, factors)
   assert sent["dion"] < sent["muon"] / 4, sent
+
+
+def _maxtext_reader():
+  """examples/maxtext/collectives.py, imported by path (it needs no MaxText to import)."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "maxtext" / "collectives.py"
+  spec = importlib.util.spec_from_file_location("maxtext_collectives", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_maxtext_reader_takes_the_last_train_step_and_the_parameter_bytes(tmp_path):
+  """The MaxText measurement reads the training step compiled last (module numbers
+  compared as numbers, not as text) and the launcher's parameter bytes; without either
+  it says what is missing."""
+  M = _maxtext_reader()
+  for number, text in (("0099", "old"), ("0100", HLO), ("0031", "older")):
+    (tmp_path / f"module_{number}.jit_train_step.cpu_after_optimizations.txt").write_text(text)
+  (tmp_path / "module_0200.jit_eval_step.cpu_after_optimizations.txt").write_text("eval")
+  program = M.train_step_program(tmp_path)
+  assert program == HLO
+  t, _ = C.traffic(program, 8, refresh=True)
+  assert t.sent["all-to-all"] == 1024 * 4 * 7 / 8
+  assert M.parameter_bytes("x\nparameters: 1,234,567 bytes\n") == 1234567
+  with pytest.raises(ValueError, match="parameters: N bytes"):
+    M.parameter_bytes("no report")
+  with pytest.raises(FileNotFoundError):
+    M.train_step_program(tmp_path / "missing")
+
+
+def test_maxtext_reader_commands():
+  """MaxText's own optimizers go by ``opt_type``; the library's get the owner-layout
+  setting, and a rank where they take one."""
+  M = _maxtext_reader()
+  adamw = M.command("adamw", "-", 32, ["steps=1"])
+  assert adamw[2:] == ["--optimizer", "maxtext", "opt_type=adamw", "steps=1"]
+  alice = M.command("alice", "specs", 16, [])
+  assert alice[2:] == ["--optimizer", "alice", "--owner-layout", "specs", "--rank", "16"]
+  assert "--rank" not in M.command("muon", "off", 16, [])

@@ -14,6 +14,10 @@ overrides of its ``base.yml``, or a config path first). MaxText builds its optim
 * its learning rate follows MaxText's schedule (warm-up, decay) scaled to
   ``--learning-rate`` at its peak; the other parameters get MaxText's AdamW at MaxText's
   own ``learning_rate`` and ``adam_*`` settings;
+* the owner layout (whole-matrix work on owner devices) is given MaxText's mesh and the
+  parameters' specs under its logical axis rules, so that every matrix moves to its
+  owner from the split it has (``--owner-layout``; guessed from the shapes, some of
+  MaxText's matrices were moved twice: see ``collectives.py`` here);
 * ``fo.describe`` prints the routing of every parameter before training, one line the
   optimizer state's bytes on the first device against the whole state's, and one the
   model's parameter bytes.
@@ -45,12 +49,14 @@ def parse(argv):
   p.add_argument("--rank", type=int, default=None, help="rank of the low-rank optimizers")
   p.add_argument("--weight-decay", type=float, default=None,
                  help="decoupled weight decay on the structured leaves (default none)")
-  p.add_argument("--owner-layout", choices=("auto", "specs", "off"), default="auto",
-                 help="the optimizer's owner_layout: 'auto' (its default: MaxText traces "
-                      "the step under jax.set_mesh, and each matrix's split is guessed "
-                      "from its shape), 'specs' (MaxText's mesh, each matrix moved from "
-                      "its split under MaxText's logical axis rules: "
-                      "fo.OwnerLayout(mesh=..., param_specs=...)), or 'off'")
+  p.add_argument("--owner-layout", choices=("specs", "auto", "off"), default="specs",
+                 help="the optimizer's owner_layout: 'specs' (default: MaxText's mesh, "
+                      "each matrix moved from its split under MaxText's logical axis "
+                      "rules, fo.OwnerLayout(mesh=..., param_specs=...); where MaxText "
+                      "gives no mesh or no NNX model, the optimizer's own default), "
+                      "'auto' (the optimizer's own default: MaxText traces the step under "
+                      "jax.set_mesh, and each matrix's split is guessed from its shape), "
+                      "or 'off'")
   return p.parse_known_args(argv)
 
 
@@ -75,9 +81,14 @@ def make_get_optimizer(args):
       if args.optimizer not in LOW_RANK:
         raise ValueError(f"--rank is for {', '.join(LOW_RANK)}, not {args.optimizer}")
       kw["rank"] = args.rank
-    if args.owner_layout != "auto":
-      kw["owner_layout"] = (owner_layout(config, model, mesh) if args.owner_layout == "specs"
-                            else False)
+    if args.owner_layout == "off":
+      kw["owner_layout"] = False
+    elif args.owner_layout == "specs":
+      if mesh is not None and _is_nnx(model):
+        kw["owner_layout"] = owner_layout(config, model, mesh)
+      else:
+        print("owner layout: the optimizer's default (MaxText gave no mesh or no NNX "
+              "model to read the parameters' specs from)", flush=True)
     tx = getattr(fo, args.optimizer)(structured_lr, **kw)
     if jax.process_index() == 0:
       from flax import nnx
@@ -87,6 +98,11 @@ def make_get_optimizer(args):
     return tx
 
   return get_optimizer
+
+
+def _is_nnx(model) -> bool:
+  from flax import nnx
+  return isinstance(model, nnx.Module)
 
 
 def owner_layout(config, model, mesh):
