@@ -389,6 +389,30 @@ def test_a_larger_side_basis_follows_the_split_columns_of_a_square_parameter():
   assert right.basis == {"q": P("tensor"), "f": P("fsdp")}
 
 
+def test_coefficient_state_of_a_row_split_matrix_is_split_over_the_rows_axes():
+  """The state on a matrix's ``r x n`` coefficients (GaLore's and Alice's moments) where
+  the matrix is split on its rows only (FSDP's split of a square matrix): its ``n`` split
+  over the rows' mesh axes, so that each device's share falls with the device count.
+  Where those axes do not divide ``n``, and without a mesh to check that against, as
+  before: whole on every device."""
+  params = {"sq": jnp.zeros((16, 16)), "odd": jnp.zeros((16, 20)), "col": jnp.zeros((16, 32))}
+  specs = {"sq": P("fsdp", None), "odd": P("fsdp", None), "col": P(None, "fsdp")}
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  tx = fo.galore(1e-2, rank=4, dims={k: fo.MatrixDims() for k in params},
+                 stack_matrices=False)
+
+  def moments(**kw):
+    out = fo.state_partition_specs(tx, params, specs, **kw)
+    mu = optax.tree_utils.tree_get_all_with_path(out, "mu")
+    return [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+
+  assert moments(mesh=mesh) == {"sq": P(None, "fsdp"), "odd": P(), "col": P(None, "fsdp")}
+  assert moments() == {"sq": P(), "odd": P(), "col": P(None, "fsdp")}
+  basis = optax.tree_utils.tree_get(fo.state_partition_specs(tx, params, specs, mesh=mesh),
+                                    "basis")
+  assert basis["sq"] == P("fsdp")  # U stays split as the rows
+
+
 def test_an_unknown_declared_role_is_an_error():
   class Bad(NamedTuple):
     x: Any
