@@ -16,8 +16,9 @@ overrides of its ``base.yml``, or a config path first). MaxText builds its optim
   own ``learning_rate`` and ``adam_*`` settings;
 * the owner layout (whole-matrix work on owner devices) is given MaxText's mesh and the
   parameters' specs under its logical axis rules, so that every matrix moves to its
-  owner from the split it has (``--owner-layout``; guessed from the shapes, some of
-  MaxText's matrices were moved twice: see ``collectives.py`` here);
+  owner from the split it has (``--owner-layout``; guessed from the shapes, the split is
+  wrong for MaxText's output projections, and SOAP and Shampoo then sent more than with
+  the layout off: see ``collectives.py`` here);
 * ``fo.describe`` prints the routing of every parameter before training, one line the
   optimizer state's bytes on the first device against the whole state's, and one the
   model's parameter bytes.
