@@ -92,6 +92,7 @@ class Lifted:
                 if canonical else None)
     self.specs = owners.leaf_specs(tree)
     self.param_specs = owners.leaf_param_specs(tree)
+    self.keys = owners.leaf_keys(tree)
 
   @property
   def splits(self) -> list:

@@ -162,7 +162,8 @@ def test_the_message_holds_its_arrays_as_pytree_children():
   assert [a.shape for a in arrays] == [(2, 6), (2, 6), (4, 2), (4, 6)]
   assert sum(isinstance(x, fo.SubspaceGuard) for x in leaves) == 1
   children, aux = node.tree_flatten()
-  assert aux == (node.view, node.dtype)  # static metadata: layout and dtype only
+  # static metadata only: the view, the dtype and where the columns were moved (none here)
+  assert aux == (node.view, node.dtype, None)
   assert [c.shape for c in children[:4]] == [(2, 6), (2, 6), (4, 2), (4, 6)]
   np.testing.assert_allclose(node.sigma, node.basis.T @ g["w"], rtol=1e-5, atol=1e-6)
   rebuilt = jax.tree.unflatten(treedef, leaves)

@@ -503,3 +503,69 @@ def test_zero_and_nan_gradients_in_the_owner_layout_as_on_one_device(name, expli
   from the split read from its type."""
   util.assert_zero_and_nan_stay_in_their_leaf(_tx(name), PARAMS, _params, _grads, SPECS,
                                               _mesh(explicit))
+
+
+# a square matrix split on its rows only (FSDP), a stack of two, and a wide one split on
+# its columns, on a mesh of one axis
+RELAY_PARAMS = {"sq": (64, 64), "stack": (2, 64, 64), "wide": (32, 128)}
+RELAY_SPECS = {"sq": P("fsdp", None), "stack": P(None, "fsdp", None), "wide": P(None, "fsdp")}
+
+
+def _relay_tx(name, rank=16):
+  kw = dict(rank=rank, dims={k: fo.MatrixDims() for k in RELAY_PARAMS}, stack_matrices=False)
+  kw.update(interval=2) if name != "alice_soap" else kw.update(interval=2, right_rank=rank)
+  if name == "alice":
+    kw.update(leading=4)
+  return getattr(fo, name)(0.01, **kw)
+
+
+def _relay_program(tx, mesh, state_specs=None):
+  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
+  p_sh = {k: NamedSharding(mesh, v) for k, v in RELAY_SPECS.items()}
+  s_sh = fo.state_shardings(tx, params, RELAY_SPECS, mesh)
+  if state_specs is not None:
+    s_sh = state_specs(s_sh)
+  state = jax.eval_shape(tx.init, params)
+  shaped = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+  with jax.set_mesh(mesh):
+    return step.lower(shaped(params, p_sh), shaped(state, s_sh),
+                      shaped(params, p_sh)).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["galore", "alice",
+                                  pytest.param("alice_soap", marks=pytest.mark.slow)])
+def test_a_row_split_gradient_moves_to_its_columns_where_the_state_is_split_so(name):
+  """On Explicit mesh axes, where the update sees the coefficients' state split over the
+  rows' mesh axes (as ``fo.state_shardings`` lays it out), a gradient split on its rows
+  only moves to its columns for ``U^T G`` and its update comes back: an ordinary step
+  sends less than the same program on ``Auto`` axes with the specs given (the sum over
+  the rows, and the coefficients gathered). Held whole on every device, the state would
+  be gathered back at every step: there the gradient is not moved. The updates are one
+  device's either way, over 5 steps with refreshes every 2."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  given = getattr(fo, name)
+  tx = _relay_tx(name)
+  moved = collectives.traffic(_relay_program(tx, mesh), 8, refresh=False)[0]
+  # the same optimizer on Auto axes, the split given
+  spec_tx = given(0.01, **{**dict(rank=16, dims={k: fo.MatrixDims() for k in RELAY_PARAMS},
+                                  stack_matrices=False, interval=2,
+                                  owner_layout=fo.OwnerLayout(param_specs=RELAY_SPECS)),
+                           **(dict(leading=4) if name == "alice" else {}),
+                           **(dict(right_rank=16) if name == "alice_soap" else {})})
+  summed = collectives.traffic(_relay_program(spec_tx, auto), 8, refresh=False)[0]
+  assert moved.count["all-to-all"] > 0, moved.sent
+  assert moved.total < summed.total, (moved.total, summed.total)
+  if name != "alice_soap":  # its coefficients' state is k x r: nothing held whole
+    whole = lambda sh: jax.tree.map(  # noqa: E731
+        lambda s: NamedSharding(mesh, P()), sh, is_leaf=lambda x: isinstance(x, NamedSharding))
+    kept = collectives.traffic(_relay_program(tx, mesh, whole), 8, refresh=False)[0]
+    assert kept.count["all-to-all"] == 0, kept.sent
+  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
+  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx, params, grads, RELAY_SPECS, 5)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(_relay_tx(name), params, grads, RELAY_SPECS, 5, mesh)
+  util.assert_close_change(got, want, params, name)

@@ -144,16 +144,22 @@ class _Tracker:
                                               self.basis_splits(lifted), lifted.held_splits)
     out, new_u, new_q = [], [], []
     step = grouping.shared(self.project)  # traced once per leaf shape
-    for g, gc, u_old, view, u, q in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
-                                        new_flat_q):
+    for g, gc, u_old, view, u, q, key in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
+                                             new_flat_q, lifted.keys):
       u = u.reshape(u_old.shape)
       if q is not None:
         q = q.reshape(view.batch_shape + q.shape[-2:])
-      sigma, q, u_state = step(gc, u, q)
+      relay = (owners.relay_split(view, key, u.shape[-1]) if self.side == "smaller"
+               else None)
+      u_p = u
+      if relay is not None:  # sigma = U^T G where the columns are (owners.relay_split)
+        gc, u_p = owners.relaid(gc, relay), owners.relaid(u, [])
+      sigma, q, _ = step(gc, u_p, q)
       if q is not None:
         new_q.append(q)
-      new_u.append(u_state)
-      out.append(subspace.Subspace(sigma, sigma, u, gc, view, g.dtype))
+      new_u.append(u.astype(self.sdtype))
+      out.append(subspace.Subspace(sigma, sigma, u_p, gc, view, g.dtype,
+                                   None if relay is None else tuple(relay)))
     return lifted.unflatten(out), self.state_type(
         count=optax.safe_int32_increment(state.count), basis=lifted.unflatten(new_u),
         tracked=lifted.unflatten(new_q) if self.has_tracking else None, key=state.key)

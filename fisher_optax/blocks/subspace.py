@@ -83,27 +83,30 @@ class Subspace:
     basis: ``batch + (m, r)``: the basis ``U``.
     grad: ``batch + (m, n)``: the gradient ``G``.
 
-  Static metadata: ``view`` (how canonical arrays map back to the leaf's layout) and
-  ``dtype`` (the gradient's dtype; dense outputs are cast to it). The fifth child is a
+  Static metadata: ``view`` (how canonical arrays map back to the leaf's layout),
+  ``dtype`` (the gradient's dtype; dense outputs are cast to it) and ``layout`` (where
+  the source moved the gradient's columns under the owner layout, else ``None``). The fifth child is a
   :class:`SubspaceGuard` (module docstring).
   """
 
-  __slots__ = _FIELDS + ("view", "dtype")
+  __slots__ = _FIELDS + ("view", "dtype", "layout")
 
-  def __init__(self, coeffs, sigma, basis, grad, view, dtype):
+  def __init__(self, coeffs, sigma, basis, grad, view, dtype, layout=None):
     self.coeffs, self.sigma, self.basis, self.grad = coeffs, sigma, basis, grad
-    self.view, self.dtype = view, dtype
+    self.view, self.dtype, self.layout = view, dtype, layout
 
   def with_coeffs(self, coeffs) -> "Subspace":
-    return Subspace(coeffs, self.sigma, self.basis, self.grad, self.view, self.dtype)
+    return Subspace(coeffs, self.sigma, self.basis, self.grad, self.view, self.dtype,
+                    self.layout)
 
   def tree_flatten_with_keys(self):
     keys = [jax.tree_util.GetAttrKey(f) for f in _FIELDS + ("guard",)]
     values = [self.coeffs, self.sigma, self.basis, self.grad, _GUARD]
-    return list(zip(keys, values)), (self.view, self.dtype)
+    return list(zip(keys, values)), (self.view, self.dtype, self.layout)
 
   def tree_flatten(self):
-    return (self.coeffs, self.sigma, self.basis, self.grad, _GUARD), (self.view, self.dtype)
+    return ((self.coeffs, self.sigma, self.basis, self.grad, _GUARD),
+            (self.view, self.dtype, self.layout))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -227,7 +230,13 @@ def dense_low_rank(s: Subspace) -> jax.Array:
 
 
 def to_leaf(s: Subspace, canonical: jax.Array) -> jax.Array:
-  """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype."""
+  """Canonical ``batch + (m, n)`` array -> the parameter's layout and dtype. Where the
+  source moved the gradient's columns (``s.layout``,
+  :func:`fisher_optax.parallel.owners.relay_split`), the dense update is formed there
+  and crosses back once; left to XLA, it was formed where the rows are, from the
+  coefficients gathered whole."""
+  if s.layout is not None:
+    canonical = owners.relaid(canonical, list(s.layout))
   return lifting.from_canonical_as(canonical, s.view, jnp.dtype(s.dtype))
 
 
