@@ -534,7 +534,7 @@ def _relay_program(tx, mesh, state_specs=None):
                       shaped(params, p_sh)).compile().as_text()
 
 
-@pytest.mark.parametrize("name", ["galore", "alice",
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
                                   pytest.param("alice_soap", marks=pytest.mark.slow)])
 def test_a_row_split_gradient_moves_to_its_columns_where_the_state_is_split_so(name):
   """On Explicit mesh axes, where the update sees the coefficients' state split over the
