@@ -63,10 +63,11 @@ def _close(got, want, what, tol=1e-3):
   util.assert_close_change(got, want, _params(), what, tol)
 
 
-# the default run: one optimizer per kind of mesh; CI's slow step runs the rest
+# the default run: Eigen-Adam on each kind of mesh (SOAP on Explicit axes took 14 s of
+# the default run's 6 minutes; its owned state stays in the default run through the
+# exchange and checkpoint tests); CI's slow step runs the rest
 _EQUAL = [pytest.param(name, explicit, id=f"{name}-{'explicit' if explicit else 'auto'}_axes",
-                       marks=() if (name, explicit) in (("eigen_adam", False), ("soap", True))
-                       else pytest.mark.slow)
+                       marks=() if name == "eigen_adam" else pytest.mark.slow)
           for name in ROTATION for explicit in (False, True)]
 
 
