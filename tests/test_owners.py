@@ -569,3 +569,40 @@ def test_a_row_split_gradient_moves_to_its_columns_where_the_state_is_split_so(n
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(_relay_tx(name), params, grads, RELAY_SPECS, 5, mesh)
   util.assert_close_change(got, want, params, name)
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("alice_soap", marks=pytest.mark.slow)])
+def test_a_row_split_gradient_moved_to_its_columns_against_the_float64_reference(
+    name, monkeypatch):
+  """8 matrices 16 x 64 split on their rows over the 8 devices of an Explicit mesh, the
+  coefficients' state split as ``fo.state_shardings`` lays it out: each gradient moves to
+  its columns for ``U^T G`` (``owners.relay_split``), and every update of 7 steps
+  (refreshes at 1, 4 and 7) equals the dense float64 re-derivation to float32 rounding."""
+  shape = (8, 16, 64)
+  moved = []
+  relay = owners.relay_split
+  monkeypatch.setattr(owners, "relay_split",
+                      lambda *a: (lambda r: moved.append(r) or r)(relay(*a)))
+  grads = util.structured_grads(shape, 7, seed=3)
+  kw = registry.WITH_REFERENCE[name]
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
+  got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", None))
+  assert moved and moved[0] == [(2, "fsdp")], moved
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+@pytest.mark.slow
+def test_zero_and_nan_gradients_of_a_gradient_moved_to_its_columns():
+  """A zero or NaN gradient in a row-split matrix that moves to its columns (Explicit
+  axes, the coefficients' state split): the update of one device, the degenerate leaf
+  alone affected."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = lambda: util.random_tree(RELAY_PARAMS, 0, 0.1)  # noqa: E731
+  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
+  util.assert_zero_and_nan_stay_in_their_leaf(_relay_tx("galore"), RELAY_PARAMS, params,
+                                              grads, RELAY_SPECS, mesh, leaf="sq",
+                                              other="stack")

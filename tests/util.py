@@ -230,7 +230,8 @@ def updates_on_mesh(tx, shape, grads, mesh, spec):
   params = {"w": jnp.zeros(shape, jnp.float32)}
   sh = {"w": NamedSharding(mesh, spec)}
   s_sh = fo.state_shardings(tx, params, {"w": spec}, mesh)
-  state = jax.jit(tx.init, out_shardings=s_sh)(jax.device_put(params, sh))
+  params = jax.device_put(params, sh)  # on Explicit axes their split is in their types
+  state = jax.jit(tx.init, out_shardings=s_sh)(params)
   with jax.set_mesh(mesh):
     step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
     step = step.lower(params, state, params).compile()

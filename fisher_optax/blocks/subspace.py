@@ -85,8 +85,8 @@ class Subspace:
 
   Static metadata: ``view`` (how canonical arrays map back to the leaf's layout),
   ``dtype`` (the gradient's dtype; dense outputs are cast to it) and ``layout`` (where
-  the source moved the gradient's columns under the owner layout, else ``None``). The fifth child is a
-  :class:`SubspaceGuard` (module docstring).
+  the source moved the gradient's columns under the owner layout, else ``None``). The
+  fifth child is a :class:`SubspaceGuard` (module docstring).
   """
 
   __slots__ = _FIELDS + ("view", "dtype", "layout")
@@ -207,8 +207,9 @@ def on_coefficients(inner: optax.GradientTransformation, *, rank: int,
       return s.coeffs
 
     coeffs = jax.tree.map(get, updates, is_leaf=is_subspace)
-    views = [s.view for s in jax.tree.leaves(updates, is_leaf=is_subspace)]
-    coeffs, derived = owners.coefficient_layout(coeffs, views)
+    nodes = jax.tree.leaves(updates, is_leaf=is_subspace)
+    coeffs, derived = owners.coefficient_layout(coeffs, [s.view for s in nodes],
+                                                [s.layout for s in nodes])
     with owners.deriving(derived):
       new_coeffs, inner_state = inner.update(coeffs, state.inner_state, None)
     out = jax.tree.map(lambda s, c: s.with_coeffs(c.astype(jnp.float32)),

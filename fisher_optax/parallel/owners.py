@@ -388,10 +388,12 @@ def relaid(x: jax.Array, split: list) -> jax.Array:
   return _constrain(x, P(*entries), on.mesh)
 
 
-def coefficient_layout(coeffs: Any, views: list) -> tuple:
+def coefficient_layout(coeffs: Any, views: list, moved: Optional[list] = None) -> tuple:
   """A low-rank source's coefficients ``sigma = U^T G`` (``batch + (r, n)`` per leaf;
-  ``views``: their gradients' :class:`fisher_optax.matrices.MatrixView` s) laid out as
-  the product leaves them where the gradient's split is known (:func:`view_split`):
+  ``views``: their gradients' :class:`fisher_optax.matrices.MatrixView` s; ``moved``:
+  per leaf, where the source moved the gradient's columns, :func:`relay_split`, or
+  ``None``) laid out as the product leaves them where the gradient's split is known
+  (:func:`view_split`), or where the source moved it:
   ``n`` split as the gradient's columns, ``r`` and the batch axes whole (every device
   holds them where the columns are whole: the sum over the split rows leaves them
   there). Returns the coefficients, constrained to that layout, and ``{path: (shape,
@@ -408,12 +410,11 @@ def coefficient_layout(coeffs: Any, views: list) -> tuple:
   if on is None:
     return coeffs, {}
   out, derived = [], {}
-  for k, x, view in zip(keys, leaves, views):
+  for k, x, view, relay in zip(keys, leaves, views, moved or [None] * len(leaves)):
     entries = [e for e in ((on.specs or {}).get(k), (on.derived or {}).get(k)) if e]
     spec = next((sp for shape, sp in entries if shape == tuple(view.shape)), None)
-    relay = relay_split(view, k, jnp.shape(x)[-2])
-    if relay is not None:  # sigma taken where the columns were moved
-      split = relay
+    if relay is not None:  # sigma taken where the source moved the columns
+      split = list(relay)
     elif spec is not None:
       split = view_split(view, spec, spread=False)
     elif not entries and _split_axes(on.mesh) == 1:
