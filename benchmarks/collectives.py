@@ -313,8 +313,9 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
   layout (``stack_matrices=False``) with ``owner_layout`` as ``owner`` says (``default``:
   the optimizer's own default; ``mesh``: the mesh itself, with which the rotation
   family keeps its state in the owner layout across steps). ``param_specs``: the
-  parameters' specs, given to the owner layout (``fo.OwnerLayout(param_specs=...)``)
-  wherever it is on."""
+  parameters' specs, given to the owner layout (``fo.OwnerLayout(param_specs=...,
+  state_placed=True)``: the state is placed as ``fo.state_shardings`` places it on the
+  mesh) wherever it is on."""
   import fisher_optax as fo
   from benchmarks import step_time
   kw = {}
@@ -327,8 +328,10 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
       setting = mesh
     if param_specs is not None and setting is not False:
       layout = fo.parallel.owners.as_layout(setting)
+      # the state is placed by fo.state_shardings on the mesh (measure()): said so
       setting = fo.OwnerLayout(mesh=layout.mesh, transport_dtype=layout.transport_dtype,
-                               replicated=layout.replicated, param_specs=param_specs)
+                               replicated=layout.replicated, param_specs=param_specs,
+                               state_placed=True)
     if setting is not None:
       kw["owner_layout"] = setting
   return step_time.build(name, preset, 1e-3, **kw)
@@ -479,7 +482,8 @@ def main(argv=None):
                        "owner layout guesses each matrix's split from its shape), "
                        "Explicit (jax.make_mesh's default; it reads the split from the "
                        "gradients' types), or Auto with the parameters' specs given to "
-                       "the owner layout (fo.OwnerLayout(param_specs=...))")
+                       "the owner layout (fo.OwnerLayout(param_specs=..., "
+                       "state_placed=True))")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")

@@ -571,6 +571,33 @@ def test_a_row_split_gradient_moves_to_its_columns_where_the_state_is_split_so(n
   util.assert_close_change(got, want, params, name)
 
 
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice_soap", marks=pytest.mark.slow)])
+def test_on_auto_axes_a_gradient_moves_to_its_columns_where_the_state_is_said_placed(name):
+  """On ``Auto`` axes the state's layout is not in its type: with the specs given, a
+  row-split gradient moves to its columns only where ``OwnerLayout(state_placed=True)``
+  says the state is placed as ``fo.state_shardings`` places it; the step then sends less
+  than without that statement, and the updates are one device's over 5 steps."""
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def tx(placed):
+    kw = dict(rank=16, dims={k: fo.MatrixDims() for k in RELAY_PARAMS}, stack_matrices=False,
+              interval=2, owner_layout=fo.OwnerLayout(param_specs=RELAY_SPECS,
+                                                      state_placed=placed))
+    return getattr(fo, name)(0.01, **kw, **(dict(right_rank=16) if name == "alice_soap"
+                                             else {}))
+
+  moved = collectives.traffic(_relay_program(tx(True), auto), 8, refresh=False)[0]
+  summed = collectives.traffic(_relay_program(tx(False), auto), 8, refresh=False)[0]
+  assert moved.count["all-to-all"] > summed.count["all-to-all"], (moved.sent, summed.sent)
+  assert moved.total < summed.total, (moved.total, summed.total)
+  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
+  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx(False), params, grads, RELAY_SPECS, 5)
+  with jax.set_mesh(auto):
+    got, _ = util.run_sharded(tx(True), params, grads, RELAY_SPECS, 5, auto)
+  util.assert_close_change(got, want, params, name)
+
+
 @pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
                                   pytest.param("alice_soap", marks=pytest.mark.slow)])
 def test_a_row_split_gradient_moved_to_its_columns_against_the_float64_reference(

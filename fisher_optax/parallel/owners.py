@@ -79,12 +79,23 @@ class OwnerLayout:
       ``fo.state_shardings`` keeps them, a wrong guess moves them at every ordinary step
       (tiny LLaMA, FSDP 4 x TP 2 on 8 CPU devices: 0.60x of the parameter bytes per
       ordinary step guessed, 0.23x with the split known, 0.23x off).
+    state_placed: with ``param_specs`` on ``Auto`` axes, a statement that the state is
+      placed as ``fo.state_shardings(tx, params, param_specs, mesh)`` places it (the
+      mesh given), so that the update may rely on its layout where it cannot read it:
+      a low-rank source then moves a gradient split on its rows only to its columns
+      where that sends less, as it does on ``Explicit`` axes (the 60M LLaMA under FSDP
+      over 32 CPU devices: Alice-SOAP 0.186x -> 0.107x of the parameter bytes per
+      ordinary step). Off by default: state placed otherwise (MaxText names it
+      without a mesh, and holds the coefficients whole) would be gathered back at every
+      step (MaxText's GaLore 0.21x -> 0.44x). On ``Explicit`` axes the state's layout
+      is read from its types and this is not needed.
   """
   mesh: Any = None
   transport_dtype: Any = None
   replicated: bool = False
   param_specs: Any = dataclasses.field(default=None, hash=False, compare=False)
   guessed: bool = True
+  state_placed: bool = False
 
 
 class _Active(NamedTuple):
@@ -95,7 +106,9 @@ class _Active(NamedTuple):
   # path (a low-rank source's coefficients, :func:`coefficient_layout`)
   derived: Optional[dict] = None
   # path -> [(shape, PartitionSpec), ...] of the state arrays of the parameter at that
-  # path, where their types show it (Explicit mesh axes): :func:`relay_split`
+  # path, where their types show it (Explicit mesh axes), or [(shape, role), ...] where
+  # the state is placed by fo.state_shardings' rules (OwnerLayout(state_placed=True)):
+  # :func:`relay_split`
   held: Optional[dict] = None
 
 
@@ -265,6 +278,8 @@ def owner_layout(tx, setting: Any = AUTO):
       # the context mesh's Explicit axes: each gradient's split is part of its type
       specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
       held = state_held(state, specs)
+    elif mesh is not None and specs and layout.state_placed:
+      held = state_held(state, specs, placed=True)
     if specs:  # each with its gradient's shape: a leaf of another shape at that path
       # (a block's coefficients, a stack) is not split as the parameter is
       specs = {k: (tuple(jnp.shape(x)), specs[k])
@@ -323,10 +338,16 @@ def leaf_specs(tree: Any) -> list:
   return out
 
 
-def state_held(state: Any, specs: dict) -> dict:
+def state_held(state: Any, specs: dict, placed: bool = False) -> dict:
   """``{parameter path: [(shape, PartitionSpec), ...]}`` of the state arrays (two axes or
   more) whose path ends with that parameter's (as ``fo.state_shardings`` attributes
-  them; the longest such path), read from their types (Explicit mesh axes)."""
+  them; the longest such path), read from their types (Explicit mesh axes); ``placed``:
+  ``[(shape, role), ...]`` instead, each array's role in ``fo.state_shardings``' rules
+  (its state's declared ``SHARDING``, else ``"auto"``), for state placed by them."""
+  roles = {}
+  if placed:
+    from fisher_optax.parallel import sharding  # above this module: its rules' roles
+    roles = sharding.field_roles(state)
   keys = sorted(specs, key=len, reverse=True)
   out: dict = {}
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -335,8 +356,9 @@ def state_held(state: Any, specs: dict) -> dict:
     k = _path_key(path)
     owner = next((p for p in keys if k.endswith(p)), None)
     if owner is not None:
-      out.setdefault(owner, []).append((tuple(jnp.shape(x)),
-                                        jax.typeof(x).sharding.spec))
+      how = (roles.get(jax.tree_util.keystr(tuple(path)), "auto") if placed
+             else jax.typeof(x).sharding.spec)
+      out.setdefault(owner, []).append((tuple(jnp.shape(x)), how))
   return out
 
 
@@ -350,7 +372,10 @@ def relay_split(view, key: str, rank: int) -> Optional[list]:
   ``3 r n`` values sent per matrix. Moved to columns, the product is local: the gradient
   and the update each cross once (``m n / R``) and the basis is gathered (``m r``). Taken
   where that is less, and only where the update sees that every ``r x n`` state array of
-  the parameter is split so (its type, on Explicit mesh axes): held whole, the state
+  the parameter is split so (its type, on Explicit mesh axes; on Auto axes, its role
+  under ``fo.state_shardings``' rules where ``OwnerLayout(state_placed=True)`` says they
+  placed it, which split such an array's ``n`` over the rows' axes where those divide
+  it and ``r`` is neither side's size): held whole, the state
   would be gathered back at every step (MaxText's state, named without a mesh: GaLore
   0.21x -> 0.44x of the parameter bytes per step). With the state split, at the 60M
   LLaMA's shapes under FSDP over 32 CPU devices: GaLore 0.105x -> 0.044x, Alice 0.120x
@@ -369,7 +394,13 @@ def relay_split(view, key: str, rank: int) -> Optional[list]:
   m, n, r = view.m, view.n, rank
   if n % size or 2 * m * n / size + m * r >= 3 * r * n:
     return None
-  for sp in [sp for shape, sp in on.held.get(key, []) if tuple(shape[-2:]) == (r, n)]:
+  for shape, sp in [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)]:
+    if isinstance(sp, str):  # placed by the rules: split so where auto, r not a side,
+      # n the parameter's columns (the rules split no coefficients along its rows)
+      if (sp != "auto" or r in (m, n) or len(shape) != len(view.batch_shape) + 2
+          or (view.transpose and view.fan_in != view.fan_out)):
+        return None
+      continue
     last = (list(sp) + [None] * 8)[len(view.batch_shape) + 1]
     names = () if last is None else last if isinstance(last, tuple) else (last,)
     if tuple(names) != rows:
