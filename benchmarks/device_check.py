@@ -1,53 +1,58 @@
 """One command that checks fisher_optax on an accelerator and writes what it measured.
 
-    python benchmarks/device_check.py [--out benchmarks/results/device] [--budget 470]
+    python benchmarks/device_check.py [--out benchmarks/results/device]   # run 1: targets
+    python benchmarks/device_check.py --plan suite                       # run 2: suite
+    python benchmarks/device_check.py --parts steps --presets 130M       # any parts
     python benchmarks/device_check.py --smoke --out /tmp/check      # toy sizes, CPU, minutes
+
+A device lending is about 15 minutes, the machine's start included, so the open targets
+are measured in two runs of at most 6 minutes (330 s budgets), one after the other on the
+same warm machine (:data:`PLANS`):
+
+* ``--plan targets`` (the default): ``train``, then ``steps`` at 60M, stacked, for alice,
+  soap, eigen_adam, shampoo, fo_muon and ``optax.contrib.muon``: the training-step,
+  refresh-step, Muon and compile-time targets;
+* ``--plan suite``: ``tests`` (its slowest file first), then ``profile`` and ``compile``
+  with what is left: the suite target and the diagnostics.
 
 ``--smoke`` runs every part at toy sizes with no time limit and no budget: it checks that
 each part runs and writes its rows, whatever the machine's speed or load.
 
-Parts, in this order (each a subprocess with a time limit; a part that would start with
-too little of ``--budget`` left is recorded as skipped, never silently dropped; a part
-still running at its limit is interrupted and keeps what it printed):
+Parts (each a subprocess with a time limit; a part that would start with too little of
+the budget left is recorded as skipped, never silently dropped; a part still running at
+its limit is interrupted and keeps what it printed):
 
-1. ``env``: device, driver, JAX backend, and the jax/jaxlib/optax/flax/chex/numpy versions.
+1. ``env`` (always): device, driver, JAX backend, and the jax/jaxlib/optax/flax/chex/numpy
+   versions.
 2. ``train``: :mod:`benchmarks.train_throughput`: the LLaMA example's jitted training step
-   at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon; then
-   Adam's and RACS's steps under the profiler (:mod:`benchmarks.kernel_profile`: the
-   device's busy and waiting time per step, time per kind of kernel, the largest
-   kernels); then RACS in the per-leaf layout; then RACS's update alone with bfloat16
-   parameters (:mod:`benchmarks.step_time` ``--dtype``), against Adam's with bfloat16
-   moments.
-3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` (default 60M and 130M)
-   for racs, alice, galore, the optax peers (``optax.contrib.muon`` as ``muon``,
-   ``optax.contrib.galore``), soap, alice0, fira, apollo_mini and dion: ordinary, refresh and
-   amortised step as ratios to ``optax.adam``'s update in the same process, and compile
-   seconds, for the stacked and the per-leaf layout of ``stack_matrices``.
-4. ``tests``: the default test suite (``python -m pytest -n N tests``) at the device's
-   default matmul precision: pass/fail/skip counts, the failures by name, the slowest
-   tests, and how many had not finished if it was interrupted.
-5. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
+   at 60M in bfloat16 (default layout), tokens/s for adam, racs, alice and muon, and each
+   step's compile seconds.
+3. ``steps``: :mod:`benchmarks.step_time` at each ``--presets`` for the plan's optimizers
+   (without a plan: racs, alice, galore, the optax peers ``optax.contrib.muon`` as
+   ``muon`` and ``optax.contrib.galore``, soap, alice0, fira, apollo_mini and dion, at
+   60M and 130M, stacked and per-leaf): ordinary, refresh and amortised step as ratios to
+   ``optax.adam``'s update in the same process, and compile seconds.
+4. ``profile``: Adam's and RACS's training steps under the profiler
+   (:mod:`benchmarks.kernel_profile`: the device's busy and waiting time per step, time
+   per kind of kernel, the largest kernels); then RACS in the per-leaf layout; then
+   RACS's update alone with bfloat16 parameters (:mod:`benchmarks.step_time` ``--dtype``),
+   against Adam's with bfloat16 moments.
+5. ``tests``: the default test suite (``python -m pytest -n N tests``, the slowest file
+   named first so that its cases start first) at the device's default matmul precision:
+   pass/fail/skip counts, the failures by name, the slowest tests, and how many had not
+   finished if it was interrupted.
+6. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
    inside a low-rank refresh (Cholesky and Householder QR, ``r x r`` eigh by QR and by
    Jacobi, complement columns, the first refresh's Gram eigh, Alice's whole refresh of
    one group), batched as the stacked layout runs them.
-6. ``precision``: the 60M step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
+7. ``precision``: the step times again with ``JAX_DEFAULT_MATMUL_PRECISION=tensorfloat32``
    (the optimizer's products at TensorFloat-32 instead of the library's float32 default).
-7. ``compile``: where the compile time goes: :mod:`benchmarks.step_time` ``--compile-only``
-   for adam, ``optax.contrib.muon``/``galore``, galore and alice at the first preset,
-   with nothing cached, read back from JAX's persistent compilation cache, and with XLA's
-   GPU autotuning off (``--xla_gpu_autotune_level=0``).
+8. ``compile``: where the compile time goes: :mod:`benchmarks.step_time` ``--compile-only``
+   at the first preset, with nothing cached, read back from JAX's persistent compilation
+   cache, and with XLA's GPU autotuning off (``--xla_gpu_autotune_level=0``).
 
-The parts' limits add up past the default 470-second budget: the three training runs
-are capped at 170, 70 and 80 s and the bfloat16 update at 45 s, each step-grid run at
-150 s (compiling Alice's 60M update alone took 35 s on the last H100), and on that H100
-the suite took over 3.5 minutes. So on one H100 the default run is expected to cover the
-training part and the first step-grid run (60M, stacked: the refresh-step targets) and
-to skip the rest. The suite and the diagnostics are a second run of their own budget,
-``--parts tests,primitives,compile``; the rest of the grid a third, ``--parts
-steps,precision`` with ``--presets``/``--layouts`` naming what is still missing.
-
-Writes ``OUT/<device>-<date>.md`` and ``OUT/<device>-<date>.json`` (the same numbers),
-rewritten after every part so that a run cut short keeps what it finished.
+Writes ``OUT/<device>-<date>[-<plan>].md`` and ``.json`` (the same numbers), rewritten
+after every part so that a run cut short keeps what it finished.
 
 On a machine with no network: on one with network, in the repository,
 ``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -86,16 +91,45 @@ FULL = dict(presets=("60M", "130M"),
             train_rounds=2, train_steps=3,
             precision_optimizers=("racs", "alice", "galore", "soap"),
             compile_optimizers=("adam", "muon", "optax_galore", "galore", "alice"),
-            tests=["tests"], caps=dict(tests=240, steps=150, train=170, train_profile=70,
-                                       train_layout=80, update_dtype=45, precision=90,
-                                       primitives=100, compile=150, compile_autotune=90))
+            tests=["tests"], slow_first=["tests/test_optax_common.py"],
+            caps=dict(tests=240, steps=150, train=170, train_profile=70,
+                      train_layout=80, update_dtype=45, precision=90,
+                      primitives=100, compile=150, compile_autotune=90))
 # no caps: a smoke run is never cut (Check.run)
 SMOKE = dict(presets=("tiny",), optimizers=("racs", "galore", "muon"),
              layouts=("stacked", "per-leaf"), reps=2, refresh_reps=1,
              train_preset="tiny", train_optimizers=("racs",), train_dtype="bfloat16",
              train_rounds=1, train_steps=1, precision_optimizers=("galore",),
              compile_optimizers=("adam", "galore"),
-             tests=["tests/test_refresh.py"], caps=dict.fromkeys(FULL["caps"], float("inf")))
+             tests=["tests/test_refresh.py"], slow_first=["tests/test_linalg.py"],
+             caps=dict.fromkeys(FULL["caps"], float("inf")))
+
+# One device lending is about 15 minutes, the machine's start included, so the open
+# targets are measured in two runs of at most 6 minutes each, on the same warm machine:
+#   1. ``--plan targets``: the training step of adam, racs, alice and muon (tokens/s, and
+#      the training step's compile seconds), then the update-step grid at 60M stacked for
+#      the refresh targets (alice, soap, eigen_adam, shampoo) and the Muon comparison
+#      (fo_muon against optax.contrib.muon), each row with its compile seconds;
+#   2. ``--plan suite``: the test suite, its slowest file first, then the diagnostics
+#      (the profile of Adam's and RACS's training steps, where the compile time goes).
+# Sizes read from the recorded H100 and H200 runs: compiling Alice's training step took
+# 49 s and Adam's 13 s; the update alone Alice 35 s, SOAP 52 s, GaLore 19 s; a SOAP refresh
+# 6.9 s before its power refresh; the suite did not finish in 200 s. The caps keep each
+# run under its budget whatever the device's speed: a part that would start with too
+# little time left is recorded as skipped, one cut at its cap keeps what it printed.
+PLANS = {
+    "targets": dict(parts=("train", "steps"), budget=330.0,
+                    cfg=dict(presets=("60M",), layouts=("stacked",), reps=6, refresh_reps=1,
+                             optimizers=("alice", "soap", "eigen_adam", "shampoo", "fo_muon",
+                                         "muon"),
+                             train_optimizers=("racs", "alice", "muon"), train_rounds=1,
+                             caps=dict(FULL["caps"], train=140, steps=185))),
+    "suite": dict(parts=("tests", "profile", "compile"), budget=330.0,
+                  cfg=dict(compile_optimizers=("adam", "alice", "soap"),
+                           caps=dict(FULL["caps"], tests=230, train_profile=60,
+                                     train_layout=60, update_dtype=40, compile=90,
+                                     compile_autotune=60))),
+}
 
 
 class Check:
@@ -210,15 +244,18 @@ def jsonl(stdout: str) -> list:
 def part_tests(chk: Check, cfg: dict):
   n = min(16, os.cpu_count() or 1)
   xdist = ["-n", str(n)] if importlib.util.find_spec("xdist") and n > 1 else []
+  # the slowest file first (collected first, so its cases start first; pytest collects a
+  # file named twice once): on the H100 the suite was cut with optax's long runs unfinished
+  order = [*cfg.get("slow_first", []), *cfg["tests"]]
   r = chk.run("tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                        "-p", "no:benchmark", "--durations=8", *xdist, *cfg["tests"]],
+                        "-p", "no:benchmark", "--durations=8", *xdist, *order],
               cfg["caps"]["tests"])
   if r is None:
     return
   out, err, code, sec = r
   chk.data["parts"]["tests"] = dict(parse_pytest(out), returncode=code, seconds=sec,
                                     command=f"python -m pytest {' '.join(xdist)} "
-                                            f"{' '.join(cfg['tests'])}",
+                                            f"{' '.join(order)}",
                                     tail=(out + err)[-1500:] if code not in (0, 1) else "")
 
 
@@ -260,34 +297,51 @@ def part_steps(chk: Check, cfg: dict):
 
 
 def part_train(chk: Check, cfg: dict):
-  """The default layout for every training optimizer; Adam's and RACS's steps under the
+  """The LLaMA example's training step in the default layout for every training optimizer
+  (:mod:`benchmarks.train_throughput` adds Adam's rows): tokens/s against Adam's, and the
+  step's compile seconds."""
+  _train_runs(chk, cfg, [("train", cfg["train_optimizers"], "auto", cfg["caps"]["train"], [])])
+
+
+def part_profile(chk: Check, cfg: dict):
+  """Why RACS's training step is slower than Adam's: Adam's and RACS's steps under the
   profiler (where the device's time goes); RACS per-leaf (with its own Adam rows), which
   tells a cost of stacking from one of RACS's arithmetic; then RACS's update alone with
   parameters in the training dtype (``optax.adam`` keeps bfloat16 moments there, RACS
   and its fallback compute in float32), which tells the update's own cost in that dtype
   from what the training step adds around it."""
+  trace_dir = str(pathlib.Path(chk.out) / "trace-tmp")
+  _train_runs(chk, cfg, [("train profile", ("racs",), "auto", cfg["caps"]["train_profile"],
+                          ["--rounds", "1", "--profile", trace_dir]),
+                         ("train racs per-leaf", ("racs",), "per-leaf",
+                          cfg["caps"]["train_layout"], [])], trace_dir)
+  if cfg["train_dtype"] != "float32":
+    chk.data["parts"]["update_dtype"] = step_rows(
+        chk, cfg, f"update {cfg['train_preset']} {cfg['train_dtype']}", cfg["train_preset"],
+        "stacked", ("racs",), cap=cfg["caps"]["update_dtype"],
+        extra=("--dtype", cfg["train_dtype"]))
+    chk.write()
+
+
+def _train_runs(chk: Check, cfg: dict, runs: list, trace_dir: str | None = None):
+  """Runs of :mod:`benchmarks.train_throughput`, ``(what, optimizers, layout, cap,
+  extra arguments)``: timing rows go to the ``train`` part, a profiled run's (``extra``
+  names ``--profile``) to ``train_profile``; its raw traces are not kept."""
   rows = chk.data["parts"].setdefault("train", [])
-  runs = [("train", cfg["train_optimizers"], "auto", cfg["caps"]["train"], [])]
-  if "racs" in cfg["train_optimizers"]:
-    trace_dir = str(pathlib.Path(chk.out) / "trace-tmp")
-    runs.append(("train profile", ("racs",), "auto", cfg["caps"]["train_profile"],
-                 ["--rounds", "1", "--profile", trace_dir]))
-    runs.append(("train racs per-leaf", ("racs",), "per-leaf", cfg["caps"]["train_layout"],
-                 []))
   for what, names, layout, cap, extra in runs:
     cmd = [sys.executable, "benchmarks/train_throughput.py", "--preset", cfg["train_preset"],
            "--optimizers", ",".join(names), "--dtype", cfg["train_dtype"], "--layout", layout,
            "--rounds", str(cfg["train_rounds"]), "--steps", str(cfg["train_steps"]), "--json",
            *extra]
     r = chk.run(what, cmd, cap)
-    if extra:
+    if trace_dir is not None:
       shutil.rmtree(trace_dir, ignore_errors=True)
     if r is None:
       return
     out, err, code, sec = r
     try:
       got = json.loads(out[out.index("["):])
-      if extra:  # the profile: its own rows, not timing rows
+      if "--profile" in extra:  # the profile: its own rows, not timing rows
         chk.data["parts"]["train_profile"] = [dict(optimizer=g["optimizer"], **g["profile"])
                                               for g in got if g.get("profile")]
       else:
@@ -296,12 +350,6 @@ def part_train(chk: Check, cfg: dict):
       why = "cut at the limit" if code == "timeout" else "failed"
       chk.data["skipped"].append(f"{what} ({why})")
       chk.data.setdefault("errors", []).append(dict(part=what, tail=err[-1500:]))
-    chk.write()
-  if "racs" in cfg["train_optimizers"] and cfg["train_dtype"] != "float32":
-    chk.data["parts"]["update_dtype"] = step_rows(
-        chk, cfg, f"update {cfg['train_preset']} {cfg['train_dtype']}", cfg["train_preset"],
-        "stacked", ("racs",), cap=cfg["caps"]["update_dtype"],
-        extra=("--dtype", cfg["train_dtype"]))
     chk.write()
 
 
@@ -379,13 +427,10 @@ def compile_table(rows: list) -> list:
           for n, d in by.items()]
 
 
-# The open questions first: the training step (with its profile, RACS per-leaf and its
-# bfloat16 update) and the step grid's first run (Alice's refresh step) decide the GPU
-# targets not yet measured or met; the suite passed with no failure on the last device
-# (unfinished at its limit), so it follows them; the refresh's factorizations explain a
-# refresh step that misses its target, and the compile part the compile times.
-PARTS = {"train": part_train, "steps": part_steps, "tests": part_tests,
-         "primitives": part_primitives, "precision": part_precision, "compile": part_compile}
+# Every part, in the order a run without ``--plan`` takes them: the open questions first.
+PARTS = {"train": part_train, "steps": part_steps, "profile": part_profile,
+         "tests": part_tests, "primitives": part_primitives, "precision": part_precision,
+         "compile": part_compile}
 
 
 def markdown(d: dict) -> str:
@@ -393,7 +438,7 @@ def markdown(d: dict) -> str:
   lines = [f"# Device check: {env.get('nvidia_smi', env['device_kind'])}", "",
            f"Started {d['started']}"
            + (f" on commit {d['commit']}" if d.get("commit") else "")
-           + f"; `python benchmarks/device_check.py"
+           + "; `python benchmarks/device_check.py"
            + "".join(f" {a}" for a in d.get("argv", ["--smoke"] if d["smoke"] else []))
            + f"`; {d.get('seconds', 0):.0f} s.", "",
            "| | |", "|---|---|"]
@@ -498,7 +543,9 @@ def markdown(d: dict) -> str:
 def write(chk: Check):
   chk.data["seconds"] = time.monotonic() - chk.t0
   chk.out.mkdir(parents=True, exist_ok=True)
-  stem = f"{device_slug(chk.data['env'])}-{chk.data['started'][:10]}"
+  plan = chk.data.get("plan")  # a lending's two runs write files of their own
+  stem = (f"{device_slug(chk.data['env'])}-{chk.data['started'][:10]}"
+          + (f"-{plan}" if plan else ""))
   (chk.out / f"{stem}.json").write_text(json.dumps(chk.data, indent=1))
   (chk.out / f"{stem}.md").write_text(markdown(chk.data))
   return chk.out / f"{stem}.md"
@@ -511,24 +558,40 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "device"))
   ap.add_argument("--smoke", action="store_true", help="every part at toy sizes (CPU, minutes)")
-  ap.add_argument("--budget", type=float, default=470.0,
-                  help="seconds for the whole check; parts that do not fit are skipped")
-  ap.add_argument("--parts", default=",".join(PARTS), help=f"any of {','.join(PARTS)}")
+  ap.add_argument("--plan", default=None, choices=sorted(PLANS),
+                  help="one of a lending's two runs (default: targets, or the parts "
+                       "--parts names)")
+  ap.add_argument("--budget", type=float, default=None,
+                  help="seconds for the whole check; parts that do not fit are skipped "
+                       "(default: the plan's, 470 with --parts)")
+  ap.add_argument("--parts", default=None, help=f"any of {','.join(PARTS)} (default: the "
+                                                "plan's; with --smoke, every part)")
   ap.add_argument("--presets", default=None, help="override the step presets, e.g. 60M")
   ap.add_argument("--optimizers", default=None, help="override the step optimizers")
   ap.add_argument("--layouts", default=None, help="override the step layouts, e.g. stacked")
   args = ap.parse_args(argv)
+  if args.plan and (args.parts or args.smoke):
+    ap.error("--plan runs its own parts at full size: leave out --parts and --smoke")
+  plan = None if (args.parts or args.smoke) else (args.plan or "targets")
   cfg = dict(SMOKE if args.smoke else FULL)
+  parts = args.parts or ",".join(PARTS)
+  budget = args.budget or 470.0
+  if plan:
+    cfg.update(PLANS[plan]["cfg"])
+    parts = ",".join(PLANS[plan]["parts"])
+    budget = args.budget or PLANS[plan]["budget"]
   if args.presets:
     cfg["presets"] = tuple(args.presets.split(","))
   if args.optimizers:
     cfg["optimizers"] = tuple(args.optimizers.split(","))
   if args.layouts:
     cfg["layouts"] = tuple(args.layouts.split(","))
+  args.budget, args.parts = budget, parts
   chk = Check(pathlib.Path(args.out), args.budget, args.smoke)
   chk.data["env"] = environment()
   chk.data["commit"] = os.environ.get("FISHER_OPTAX_COMMIT", "")
   chk.data["argv"] = list(sys.argv[1:] if argv is None else argv)
+  chk.data["plan"] = plan
   chk.write()
   for name in args.parts.split(","):
     if name not in PARTS:

@@ -204,6 +204,34 @@ def test_device_check_reads_an_interrupted_parallel_pytest_run():
   assert got["slowest"] == [dict(seconds=12.5, test="tests/test_a.py::test_slow")]
 
 
+def test_device_check_plans_are_two_runs_that_cover_the_open_targets(tmp_path, monkeypatch):
+  """Without ``--parts`` the check runs a plan: ``targets`` (the default) the training
+  step and the 60M stacked step grid of the refresh and Muon targets, ``suite`` the tests
+  first; each under its own budget of at most 6 minutes, writing files of its own."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import device_check
+  seen = []
+  fake = {n: (lambda chk, cfg, n=n: seen.append((n, cfg, chk.budget)))
+          for n in device_check.PARTS}
+  monkeypatch.setattr(device_check, "PARTS", fake)
+  monkeypatch.setattr(device_check, "environment",
+                      lambda: dict(backend="gpu", device_kind="NVIDIA H200"))
+  device_check.main(["--out", str(tmp_path)])
+  device_check.main(["--out", str(tmp_path), "--plan", "suite"])
+  assert [n for n, _, _ in seen] == ["train", "steps", "tests", "profile", "compile"]
+  steps = seen[1][1]
+  assert steps["presets"] == ("60M",) and steps["layouts"] == ("stacked",)
+  assert {"alice", "soap", "eigen_adam", "shampoo", "fo_muon", "muon"} <= set(
+      steps["optimizers"])
+  assert {"racs", "alice", "muon"} <= set(seen[0][1]["train_optimizers"])
+  assert all(budget <= 360 for _, _, budget in seen)
+  names = sorted(p.name for p in tmp_path.glob("*.json"))
+  assert len(names) == 2 and all(n.startswith("nvidia-h200-") for n in names), names
+  assert names[0].endswith("-suite.json") and names[1].endswith("-targets.json"), names
+  with pytest.raises(SystemExit):
+    device_check.main(["--out", str(tmp_path), "--plan", "suite", "--parts", "tests"])
+
+
 def test_device_check_compile_table_reads_adams_first_compile_from_the_first_row():
   """The compile part's table: each optimizer's first round with nothing cached, its last
   read back from the persistent cache; Adam's own rows come after Adam was first compiled
