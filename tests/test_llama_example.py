@@ -221,3 +221,22 @@ def test_rotation_methods_do_not_rotate_the_vocabulary_side(name):
   shapes = [x.shape for x in jax.tree.leaves(state)]
   assert not any(s.count(cfg.vocab_size) >= 2 for s in shapes)
   assert any(s[-2:] == (cfg.hidden, cfg.hidden) for s in shapes)
+
+
+def test_on_a_mesh_the_example_gives_the_library_its_specs_and_placed_state():
+  """``train.py --mesh``: the library's optimizers get ``fo.OwnerLayout(param_specs=...,
+  state_placed=True)`` (the script places their state with ``fo.state_shardings``);
+  optax's get nothing, and an ``owner_layout`` in ``--hparams`` is the user's."""
+  import argparse
+  import fisher_optax as fo
+  from jax.sharding import PartitionSpec as P
+  specs = {"w": P("fsdp", "tensor")}
+  for name in ("alice", "galore", "soap", "fo_muon", "dion16"):
+    (layout,) = train.owner_settings(argparse.Namespace(optimizer=name, hparams=None),
+                                     specs).values()
+    assert isinstance(layout, fo.OwnerLayout) and layout.state_placed
+    assert layout.param_specs is specs
+  for name in ("adam", "adamw", "muon", "per_layer"):
+    assert train.owner_settings(argparse.Namespace(optimizer=name, hparams=None), specs) == {}
+  mine = argparse.Namespace(optimizer="alice", hparams='{"owner_layout": false}')
+  assert train.owner_settings(mine, specs) == {}

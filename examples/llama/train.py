@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -111,6 +110,23 @@ def make_mesh(spec: str | None):
 def param_specs(params):
   """FSDP on the rows and tensor parallelism on the columns of every matrix."""
   return jax.tree.map(lambda p: P("fsdp", "tensor") if p.ndim == 2 else P(), params)
+
+
+def owner_settings(args, specs) -> dict:
+  """On a mesh, the library's optimizers learn each matrix's split from ``specs`` (the
+  mesh has ``Auto`` axes, where the split is not visible while the update is traced),
+  and are told that their state is placed as ``fo.state_shardings`` places it, which
+  this script does: ``fo.OwnerLayout(param_specs=specs, state_placed=True)``. Without
+  them the owner layout guesses the split from each shape. ``--hparams`` may set
+  ``owner_layout`` itself; optax's optimizers take none."""
+  import inspect
+  hparams = json.loads(args.hparams) if getattr(args, "hparams", None) else {}
+  name = {"fo_muon": "muon", "dion16": "dion"}.get(args.optimizer, args.optimizer)
+  fn = None if args.optimizer in ("adam", "adamw", "muon") else getattr(fo, name, None)
+  if ("owner_layout" in hparams or fn is None
+      or "owner_layout" not in inspect.signature(fn).parameters):
+    return {}
+  return dict(owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
 
 
 def lr_schedule(peak: float, steps: int) -> optax.Schedule:
@@ -256,15 +272,17 @@ def run(args, *, log=print) -> dict:
   setup = build(args)
   cfg, corpus = setup.cfg, setup.corpus
   mesh = make_mesh(args.mesh)
+  owned = {}
   if mesh is not None:
+    specs = param_specs(setup.params)
+    owned = owner_settings(args, specs)
     # built under the mesh, as a sharded run sets up its optimizer: the rotation family
     # (SOAP, Shampoo, Eigen-Adam) then keeps its state on the owner devices
     with jax.set_mesh(mesh):
-      setup.tx = make_tx(args, setup.params, setup.lr)
+      setup.tx = make_tx(args, setup.params, setup.lr, **owned)
   if mesh is None:
     p_sh = s_sh = batch_sh = None
   else:
-    specs = param_specs(setup.params)
     p_sh = jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs,
                         is_leaf=lambda x: isinstance(x, P))
     s_sh = fo.state_shardings(setup.tx, setup.params, specs, mesh)
@@ -290,7 +308,7 @@ def run(args, *, log=print) -> dict:
   if args.resume and ckpt.latest() is not None:
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
       other = (make_tx(args, setup.params, setup.lr,
-                       stack_matrices=not fo.stacking.is_stacked(setup.tx))
+                       stack_matrices=not fo.stacking.is_stacked(setup.tx), **owned)
                if isinstance(setup.tx, fo.routing.RoutedTransformation) else None)
     other_sh = (fo.state_shardings(other, setup.params, specs, mesh)
                 if other is not None and mesh is not None else None)
