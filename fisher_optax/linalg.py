@@ -12,10 +12,91 @@ a change of basis without rotating them (paper Alg. "Alice", GaLore).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
 f32 = jnp.float32
+
+# Inside ``jax.shard_map`` the rows of a tall matrix may be split over mesh axes, each
+# device holding a contiguous block of rows in the mesh's order (the owner layout's
+# refresh of a larger side's basis in place: :func:`rows_split`). The functions below that
+# reduce over the rows (norms, ``A^T B``, the largest entry of a column, rows picked by
+# index) then reduce over those axes too, so that one matrix's mathematics is the same
+# whether its rows are whole or split; ``None``: whole.
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_rows_split",
+                                                       default=None)
+
+
+@contextlib.contextmanager
+def rows_split(axes: tuple):
+  """Traces the body (inside ``jax.shard_map``) with every matrix's rows split in blocks
+  over the mesh ``axes``: the reductions over rows of this module sum over them."""
+  token = _ROWS.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _ROWS.reset(token)
+
+
+def rows_sum(x: jax.Array) -> jax.Array:
+  """``x`` (a sum over this device's rows) summed over every block of rows."""
+  axes = _ROWS.get()
+  return x if axes is None else jax.lax.psum(x, axes)
+
+
+def rows_max(x: jax.Array) -> jax.Array:
+  axes = _ROWS.get()
+  return x if axes is None else jax.lax.pmax(x, axes)
+
+
+def row_index(m: int) -> jax.Array:
+  """The global indices of this device's ``m`` rows."""
+  axes = _ROWS.get()
+  if axes is None:
+    return jnp.arange(m)
+  return jax.lax.axis_index(axes) * m + jnp.arange(m)
+
+
+def total_rows(m: int) -> int:
+  """The number of rows of the whole matrix of which this device holds ``m``."""
+  axes = _ROWS.get()
+  return m if axes is None else m * jax.lax.axis_size(axes)
+
+
+def take_rows(a: jax.Array, idx: jax.Array) -> jax.Array:
+  """Rows ``idx`` (global indices) of ``a`` (``m x n``), on every device."""
+  axes = _ROWS.get()
+  if axes is None:
+    return a[idx]
+  here = row_index(a.shape[0])
+  local = idx - here[0]
+  mine = (local >= 0) & (local < a.shape[0])
+  picked = jnp.where(mine[:, None], a[jnp.clip(local, 0, a.shape[0] - 1)], 0.0)
+  return jax.lax.psum(picked, axes)
+
+
+def on_whole_rows(fn, a: jax.Array) -> jax.Array:
+  """``fn(A)`` for a function of a whole matrix (an SVD) with an ``m x k`` result: where
+  ``A``'s rows are split, ``A`` is gathered to every device, ``fn`` runs on it whole, and
+  each device keeps its own rows of the result."""
+  axes = _ROWS.get()
+  if axes is None:
+    return fn(a)
+  token = _ROWS.set(None)
+  try:
+    whole = fn(jax.lax.all_gather(a, axes, axis=0, tiled=True))
+  finally:
+    _ROWS.reset(token)
+  m = a.shape[0]
+  return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(axes) * m, m, axis=0)
+
+
+def tdot(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``A^T B`` for ``A`` (``m x p``) and ``B`` (``m x q``): a product over the rows."""
+  return rows_sum(matmul(a.T, b))
 
 # Every matrix product of the blocks requests float32 precision unless the user has
 # chosen one with JAX's own ``jax.default_matmul_precision`` (config or context). JAX's
@@ -63,9 +144,15 @@ def project_rows(basis: jax.Array, a: jax.Array) -> jax.Array:
 
 
 def canonical_signs(v: jax.Array) -> jax.Array:
-  """Flips each column of ``v`` so that its largest-magnitude entry is positive."""
+  """Flips each column of ``v`` so that its largest-magnitude entry is positive (the
+  first such entry, in row order)."""
   idx = jnp.argmax(jnp.abs(v), axis=0)
   s = jnp.sign(jnp.take_along_axis(v, idx[None, :], axis=0))
+  axes = _ROWS.get()
+  if axes is not None:  # the first block of rows that holds the column's largest entry
+    top = jax.lax.all_gather(jnp.take_along_axis(jnp.abs(v), idx[None, :], axis=0)[0], axes)
+    signs = jax.lax.all_gather(s[0], axes)
+    s = jnp.take_along_axis(signs, jnp.argmax(top, axis=0)[None, :], axis=0)
   return v * jnp.where(s == 0, 1.0, s).astype(v.dtype)
 
 
@@ -134,13 +221,14 @@ def cholesky_qr(h: jax.Array) -> jax.Array:
   """
   x = h.astype(f32)
   m, k = x.shape[-2:]
-  top = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+  m = total_rows(m)
+  top = rows_max(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True))
   x = x / jnp.where(top > 0, top, 1.0)
 
   eps = float(jnp.finfo(f32).eps)
 
   def step(i, q):  # passes 0 and 1 shifted, 2 and 3 plain
-    gram = matmul(jnp.swapaxes(q, -1, -2), q)
+    gram = rows_sum(matmul(jnp.swapaxes(q, -1, -2), q))
     s = jnp.where(i < 2, (m + k) * eps, 0.0) * jnp.trace(gram, axis1=-2, axis2=-1)
     lower = jnp.linalg.cholesky(gram + s[..., None, None] * jnp.eye(k, dtype=f32))
     # Q <- Q L^{-T}: one right-side solve with L^T on Q as it is laid out; solving
@@ -159,7 +247,7 @@ def shifted_step(y: jax.Array, u: jax.Array) -> jax.Array:
   :func:`cholesky_qr` orthonormalizes in float32."""
   y = y.astype(f32)
   u = u.astype(f32)
-  norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+  norm = jnp.sqrt(rows_sum(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True)))
   return jnp.where(norm > 0, y + 1e-6 * norm * u, u)
 
 
@@ -257,15 +345,25 @@ def complement_columns(u: jax.Array, cols: jax.Array) -> jax.Array:
   """
   u = u.astype(f32)
   m, r = u.shape
-  lu, s = _sign_lu(u[:r])
+  split = _ROWS.get() is not None
+  lu, s = _sign_lu(take_rows(u, jnp.arange(r)) if split else u[:r])
   w = jnp.triu(lu)
   y1 = jnp.tril(lu, -1) + jnp.eye(r, dtype=f32)
-  u2 = u[r:]
   solve = jax.scipy.linalg.solve_triangular
-  y2 = solve(w, u2.T, trans=1, lower=False).T  # Y_2 W = u_2
-  z = solve(y1, y2[cols].T, trans=1, lower=True, unit_diagonal=True)  # Y_1^T z = Y_2[cols]^T
+  if split:  # this device's rows of Y: of Y_1 above row r, of Y_2 = u_2 W^{-1} below
+    rows = row_index(m)
+    y2_cols = solve(w, take_rows(u, r + cols).T, trans=1, lower=False).T
+    y = jnp.where((rows < r)[:, None], y1[jnp.clip(rows, 0, r - 1)],
+                  solve(w, u.T, trans=1, lower=False).T)
+  else:
+    rows = jnp.arange(m)
+    y2 = solve(w, u[r:].T, trans=1, lower=False).T  # Y_2 W = u_2
+    y2_cols = y2[cols]
+  z = solve(y1, y2_cols.T, trans=1, lower=True, unit_diagonal=True)  # Y_1^T z = Y_2[cols]^T
   t = -matmul(w, s[:, None] * z)  # T Y_2[cols]^T, r x k
-  units = (jnp.arange(m)[:, None] == (r + cols)[None, :]).astype(f32)
+  units = (rows[:, None] == (r + cols)[None, :]).astype(f32)
+  if split:
+    return units - matmul(y, t)
   return units - jnp.concatenate([matmul(y1, t), matmul(y2, t)], axis=0)
 
 

@@ -143,8 +143,10 @@ class Switch:
     canonical sign fix that ends both runs once, after the cond: the compiled program
     holds each of them once, not once per branch."""
     m, r = u_old.shape
-    after = c.shape[0] == c.shape[1] or r <= c.shape[1]  # see first_from(signs=False)
-    u = jax.lax.cond(first, lambda: self.first_from(c, r, signs=not after),
+    rows = linalg.total_rows(c.shape[0])  # a tall c's rows may be split (linalg.rows_split)
+    after = rows == c.shape[1] or r <= c.shape[1]  # see first_from(signs=False)
+    u = jax.lax.cond(first, lambda: linalg.on_whole_rows(
+                         lambda whole: self.first_from(whole, r, signs=not after), c),
                      lambda: self.refresh_from(c, u_old, q_old, b3, noise,
                                                signs=not after))
     return linalg.canonical_signs(u) if after else u
@@ -171,14 +173,15 @@ class Switch:
     may be a traced integer (then the steps run as one compiled loop); ``start`` is the
     iteration's first basis (default ``u_old``)."""
     m, r = u_old.shape
+    m = linalg.total_rows(m)  # a tall c's rows may be split over devices (rows_split)
     gram = c.shape[-1] == m  # else c is a tall G: C u = G (G^T u)
     fix = linalg.canonical_signs if signs else (lambda x: x)
 
     def q_times(u):
-      cu = linalg.matmul(c, u) if gram else linalg.matmul(c, linalg.matmul(c.T, u))
+      cu = linalg.matmul(c, u) if gram else linalg.matmul(c, linalg.tdot(c, u))
       out = (1 - b3) * cu if q_old is not None else cu
       if q_old is not None:
-        out = out + b3 * linalg.matmul(u_old, linalg.matmul(q_old, linalg.matmul(u_old.T, u)))
+        out = out + b3 * linalg.matmul(u_old, linalg.matmul(q_old, linalg.tdot(u_old, u)))
       return out
 
     u1 = u_old if start is None else start
@@ -189,7 +192,7 @@ class Switch:
     else:
       u1 = jax.lax.fori_loop(0, n, lambda _, u: shifted_orthonormal(q_times(u), u), u1)
     # the Rayleigh quotient U^T Q U is symmetric by construction; every result is re-signed
-    _, v = linalg.eigh_desc(linalg.matmul(u1.T, q_times(u1)), signs=False, symmetrize=False)
+    _, v = linalg.eigh_desc(linalg.tdot(u1, q_times(u1)), signs=False, symmetrize=False)
     ritz = linalg.matmul(u1, v)
     if self.leading is None or m == r:
       return fix(ritz)

@@ -2,6 +2,7 @@
 the matrix products, to float32 rounding."""
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from fisher_optax import linalg
@@ -26,3 +27,51 @@ def test_project_rows_equals_the_matrix_product_at_every_rank():
     got = linalg.project_rows(u, a)
     assert got.shape == (2, r, 5)
     np.testing.assert_allclose(got, jnp.swapaxes(u, -1, -2) @ a, rtol=1e-5, atol=1e-6)
+
+
+def _on_row_blocks(fn, a, names, mesh, whole_out=False):
+  """``fn(a)`` inside a ``shard_map`` with ``a``'s rows split over ``names`` of ``mesh``
+  (``linalg.rows_split``): the blocks put back in order, or one device's result where
+  it is the same on every device (``whole_out``)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+
+  def body(x):
+    with linalg.rows_split(names):
+      return fn(x)
+  out = P() if whole_out else P(names, None)
+  return jax.shard_map(body, mesh=mesh, in_specs=P(names, None), out_specs=out,
+                       check_vma=False)(a)
+
+
+@pytest.mark.parametrize("order", [pytest.param(("x",), marks=pytest.mark.slow), ("b", "a")])
+def test_reductions_over_rows_split_over_devices_give_the_whole_matrix_s(order):
+  """A tall matrix's rows split in blocks over 8 CPU devices (one mesh axis, or two
+  taken minor axis first): Cholesky QR, the shifted step, the canonical signs, rows
+  picked by index, ``A^T B``, a function of the whole matrix and the complement columns
+  equal those of the whole matrix."""
+  import jax
+  auto = jax.sharding.AxisType.Auto
+  mesh = (jax.make_mesh((8,), ("x",), axis_types=(auto,)) if order == ("x",)
+          else jax.make_mesh((2, 4), ("a", "b"), axis_types=(auto, auto)))
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal((64, 6)), jnp.float32)
+  u = linalg.cholesky_qr(a)
+  cols = jnp.asarray([0, 5, 17, 40])
+  cases = {
+      "cholesky_qr": (linalg.cholesky_qr, False),
+      "shifted_step": (lambda x: linalg.shifted_step(x, x), False),
+      "canonical_signs": (linalg.canonical_signs, False),
+      "take_rows": (lambda x: linalg.take_rows(x, jnp.asarray([3, 9, 63, 0])), True),
+      "tdot": (lambda x: linalg.tdot(x, x), True),
+      "on_whole_rows": (lambda x: linalg.on_whole_rows(
+          lambda w: linalg.top_left_singular(w, 4), x), False),
+      "complement_columns": (lambda x: linalg.complement_columns(x, cols), False),
+      "total_rows": (lambda x: jnp.full((1,), linalg.total_rows(x.shape[0])), True),
+  }
+  for name, (fn, whole) in cases.items():
+    arg = u if name == "complement_columns" else -a if name == "canonical_signs" else a
+    want = fn(arg)
+    got = _on_row_blocks(fn, arg, order, mesh, whole_out=whole)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5,
+                               err_msg=name)

@@ -633,3 +633,29 @@ def test_zero_and_nan_gradients_of_a_gradient_moved_to_its_columns():
   util.assert_zero_and_nan_stay_in_their_leaf(_relay_tx("galore"), RELAY_PARAMS, params,
                                               grads, RELAY_SPECS, mesh, leaf="sq",
                                               other="stack")
+
+
+@pytest.mark.parametrize("explicit", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_tall_coefficient_matrix_refreshes_its_basis_where_its_rows_are(explicit,
+                                                                         monkeypatch):
+  """Alice-SOAP's right basis of 2 matrices 8 x 64: each one's coefficients ``sigma^T``
+  (64 rows) is larger than a device's share of the refresh, so its basis is refreshed
+  where its rows are (``owners.rows_in_place``, ``owners.on_rows``), the first refresh
+  by an SVD of the gathered matrix; every update of 7 steps (refreshes at 1, 4 and 7)
+  equals the dense float64 re-derivation."""
+  shape = (2, 8, 64)
+  calls = []
+  on_rows = owners.on_rows
+  monkeypatch.setattr(owners, "on_rows",
+                      lambda body, items, *a: calls.append([i[0].shape for i in items])
+                      or on_rows(body, items, *a))
+  grads = util.structured_grads(shape, 7, seed=4)
+  kw = registry.WITH_REFERENCE["alice_soap"]
+  want = util.run_reference("alice_soap", shape, grads, **kw)
+  spec = P(None, None, ("fsdp", "tensor"))
+  layout = True if explicit else fo.OwnerLayout(param_specs={"w": spec})
+  tx = fo.alice_soap(util.LR, dims=util.STACK, **kw, owner_layout=layout)
+  got = util.updates_on_mesh(tx, shape, grads, _mesh(explicit), spec)
+  assert calls and calls[0] == [(2, 64, 3)], calls
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err

@@ -240,8 +240,10 @@ class _Tracker:
     operand from whole gradients and run :meth:`refresh_matrix`, except for a wide
     matrix larger than a device's share of their work (an output layer): its Gram is
     summed where its columns are and every device refreshes its basis
-    (``owners.gram_in_place``, ``summed_in_place``, ``everywhere``); the same operand
-    and the same refresh either way. ``splits`` / ``held``: per leaf, its matrices'
+    (``owners.gram_in_place``, ``summed_in_place``, ``everywhere``), and for a larger
+    side's basis of tall coefficients larger than that share: it is refreshed where its
+    rows are, the reductions over rows summed over the devices (``owners.rows_in_place``,
+    ``on_rows``); the same operand and the same refresh either way. ``splits`` / ``held``: per leaf, its matrices'
     split for the exchange and the split they have, where known."""
     form = self.policy.operand if on_owners else (lambda x: x)
 
@@ -251,7 +253,19 @@ class _Tracker:
     local = (owners.gram_in_place([a[0].shape for a in args], held)
              if on_owners and self.policy.reads_gram else [False] * len(args))
     outs = [None] * len(args)
-    owned = [j for j, here in enumerate(local) if not here]
+    tall = []
+    if on_owners and self.side == "larger" and type(self.policy) is refresh_lib.Switch:
+      # a tall operand (coefficients sigma^T, a larger side's rows) refreshed where its
+      # rows are (owners.rows_in_place): only r x k products cross the devices
+      here = owners.rows_in_place([a[0].shape for a in args], [a[1].shape[-1] for a in args])
+      tall = [j for j, h in enumerate(here) if h]
+      # (the operand of a tall matrix is itself: a block of its rows may not be tall)
+      whole = functools.partial(fn, form=lambda x: x.astype(jnp.float32))
+      for j, o in zip(tall, owners.on_rows(
+          lambda items: grouping.map_grouped(whole, items, state=True),
+          [args[j] for j in tall], [held[j] for j in tall])):
+        outs[j] = o
+    owned = [j for j, here in enumerate(local) if not here and j not in tall]
     for j, o in zip(owned, grouping.map_grouped(
         fn, [args[j] for j in owned], state=True, layouts=self.layouts,
         splits=[splits[j] for j in owned])):
@@ -314,8 +328,9 @@ class _Tracker:
 
 def _keep_finite(u_new, u1, q1):
   """A non-finite new basis keeps the old one; ``Q~ <- U^T (U_old Q~ U_old^T) U``."""
-  u_new = jnp.where(jnp.all(jnp.isfinite(u_new)), u_new, u1)
+  bad = linalg.rows_sum(jnp.sum(~jnp.isfinite(u_new)))  # over every block of rows
+  u_new = jnp.where(bad == 0, u_new, u1)
   if q1 is None:
     return u_new, None
-  rot = linalg.matmul(u_new.T, u1)
+  rot = linalg.tdot(u_new, u1)
   return u_new, linalg.matmul(linalg.matmul(rot, q1), rot.T)
