@@ -231,20 +231,57 @@ def test_owned_state_refreshes_and_updates_with_two_all_to_alls(name):
                                            refresh=True)[0].total
 
 
+def _loads_and_slots(counts, sizes, devices):
+  slots, lengths = owners.placement(counts, sizes, devices)
+  load = [0] * devices
+  for g, (sl, n) in enumerate(zip(slots, lengths)):
+    assert n % devices == 0 and len(set(sl)) == counts[g] and all(0 <= s < n for s in sl)
+    for s in sl:
+      load[s // (n // devices)] += sizes[g]
+  return max(load), sum(n // devices * z for n, z in zip(lengths, sizes))
+
+
 def test_placement_balances_whole_matrices_over_the_devices():
   """Every matrix gets its own slot, each device ``c_g`` slots per group, and the
   largest load is no more than the larger of the mean and the largest matrix, plus the
   largest matrix (longest processing time first)."""
   counts, sizes = [2, 12, 16, 1], [2048 * 128, 128 * 344, 128 * 128, 7]
-  slots, lengths = owners.placement(counts, sizes, 8)
-  load = [0] * 8
-  for g, (sl, n) in enumerate(zip(slots, lengths)):
-    assert n % 8 == 0 and len(set(sl)) == counts[g] and all(0 <= s < n for s in sl)
-    for s in sl:
-      load[s // (n // 8)] += sizes[g]
+  top, _ = _loads_and_slots(counts, sizes, 8)
   total = sum(c * z for c, z in zip(counts, sizes))
-  assert max(load) <= max(total / 8, max(sizes)) + max(sizes)
-  assert max(load) == max(sizes)  # the two 2048-wide matrices alone on their devices
+  assert top <= max(total / 8, max(sizes)) + max(sizes)
+  assert top == max(sizes)  # the two 2048-wide matrices alone on their devices
+
+
+def test_placement_spreads_each_group_where_that_keeps_the_largest_load():
+  """Every device runs the same program on ``c_g`` slots of each group, so a group
+  piled on a few devices costs every device. 24 MLP matrices and 32 square ones on 32
+  devices: one slot of each (not three squares on the devices without an MLP matrix),
+  with the same largest load as longest processing time first. On random groups the
+  largest load never exceeds that of longest processing time first, computed here
+  independently, and the slots never cost more."""
+  big, square = 512 * 1376, 512 * 512
+  top, cost = _loads_and_slots([24, 32], [big, square], 32)
+  assert (top, cost) == (big + square, big + square)
+
+  def lpt(counts, sizes, devices):
+    load, cost = [0] * devices, 0
+    for g in sorted(range(len(counts)), key=lambda g: (-sizes[g], g)):
+      held = [0] * devices
+      for _ in range(counts[g]):
+        d = min(range(devices), key=lambda x: (load[x], held[x], x))
+        held[d] += 1
+        load[d] += sizes[g]
+      cost += max(held, default=0) * sizes[g]
+    return max(load), cost
+
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    groups = int(rng.integers(1, 5))
+    counts = [int(c) for c in rng.integers(1, 40, groups)]
+    sizes = [int(z) for z in rng.integers(1, 5000, groups)]
+    devices = int(rng.choice([2, 4, 8, 16, 32]))
+    got, want = _loads_and_slots(counts, sizes, devices), lpt(counts, sizes, devices)
+    assert got[0] <= want[0] and got[1] <= want[1], (counts, sizes, devices, got, want)
 
 
 def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mesh(tmp_path):
