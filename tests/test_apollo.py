@@ -6,26 +6,9 @@ import numpy as np
 import pytest
 
 import fisher_optax as fo
-from fisher_optax.blocks import random_projection as rp
 from tests import reference
 from tests.registry import LR
-from tests.util import SHAPES, run_library, structured_grads
-
-
-def _bases(shape, rank, interval, seed=0):
-  """The library's Gaussian projections at step ``t`` (1-based) of matrix ``b``: key
-  ``fold_in(fold_in(PRNGKey(seed), (t - 1) // interval), b)`` (shared randomness)."""
-  *_, m, n = shape
-  ms = min(m, n)
-
-  def basis(b):
-    def f(t):
-      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed),
-                                                  (t - 1) // interval), b)
-      return rp.random_basis(key, ms, min(rank, ms))
-    return f
-
-  return basis
+from tests.util import SHAPES, apollo_bases, run_library, structured_grads
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -40,7 +23,7 @@ def test_matches_dense_float64_reference(name, shape):
   lib = run_library(name, shape, grads, **kw)
   *batch, m, n = shape
   nb = int(np.prod(batch)) if batch else 1
-  basis = _bases(shape, rank, interval)
+  basis = apollo_bases(shape, rank, interval)
   refs = [reference._Transposing(reference.ApolloRef, m, n, lr=LR, rank=rank, kind=kind,
                                  scale=scale, basis=basis(b)) for b in range(nb)]
   for t, (g, a) in enumerate(zip(grads, lib), start=1):

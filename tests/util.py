@@ -8,6 +8,7 @@ import numpy as np
 
 import fisher_optax as fo
 from fisher_optax import refresh as switching
+from fisher_optax.blocks import random_projection
 from tests import reference
 from tests.registry import LR, STACK
 
@@ -264,3 +265,20 @@ def resume_elsewhere(path, tx, run, specs, mesh, before, after, one_device_mesh=
   else:
     got_one, _ = run(tx, after, params=rp1, state=rs1, start=before)
   return got_small, got_one
+
+
+def apollo_bases(shape, rank, interval, seed=0):
+  """The library's Gaussian projections at step ``t`` (1-based) of matrix ``b``: key
+  ``fold_in(fold_in(PRNGKey(seed), (t - 1) // interval), b)`` (shared randomness, for
+  the float64 reference of APOLLO)."""
+  *_, m, n = shape
+  ms = min(m, n)
+
+  def basis(b):
+    def f(t):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed),
+                                                  (t - 1) // interval), b)
+      return random_projection.random_basis(key, ms, min(rank, ms))
+    return f
+
+  return basis
