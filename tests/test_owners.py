@@ -652,6 +652,30 @@ def test_a_random_projection_of_a_row_split_gradient_is_summed_and_scattered_whe
   util.assert_close_change(got, want, params, "apollo")
 
 
+@pytest.mark.slow
+def test_a_random_projection_scattered_over_two_mesh_axes(monkeypatch):
+  """Rows split over two mesh axes (``("a", "b")`` of a 2 x 4 ``Auto`` mesh) and a wide
+  matrix's columns over them in the other order: the square one is summed and scattered
+  over both axes, and 5 steps give one device's updates."""
+  params_shapes = {"sq": (64, 64), "wide": (32, 128)}
+  specs = {"sq": P(("a", "b"), None), "wide": P(None, ("b", "a"))}
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  taken = _recorded(monkeypatch, "scatter_rows")
+
+  def tx(placed):
+    return fo.apollo(0.01, rank=16, interval=2, stack_matrices=False,
+                     dims={k: fo.MatrixDims() for k in params_shapes},
+                     owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=placed))
+
+  params = util.random_tree(params_shapes, 0, 0.1)
+  grads = lambda t: util.random_tree(params_shapes, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx(False), params, grads, specs, 5)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(tx(True), params, grads, specs, 5, mesh)
+  assert ("a", "b") in taken, taken
+  util.assert_close_change(got, want, params, "apollo")
+
+
 def test_a_scattered_random_projection_against_the_float64_reference(monkeypatch):
   """8 matrices 16 x 64 split on their rows over the 8 devices of an Explicit mesh, the
   coefficients' state split as ``fo.state_shardings`` lays it out: APOLLO sums and
