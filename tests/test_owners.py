@@ -519,10 +519,10 @@ def _relay_tx(name, rank=16):
   return getattr(fo, name)(0.01, **kw)
 
 
-def _relay_program(tx, mesh, state_specs=None):
-  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
-  p_sh = {k: NamedSharding(mesh, v) for k, v in RELAY_SPECS.items()}
-  s_sh = fo.state_shardings(tx, params, RELAY_SPECS, mesh)
+def _relay_program(tx, mesh, state_specs=None, shapes=RELAY_PARAMS, specs=RELAY_SPECS):
+  params = util.random_tree(shapes, 0, 0.1)
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
   if state_specs is not None:
     s_sh = state_specs(s_sh)
   state = jax.eval_shape(tx.init, params)
@@ -650,6 +650,42 @@ def test_a_random_projection_of_a_row_split_gradient_is_summed_and_scattered_whe
   with jax.set_mesh(auto):
     got, _ = util.run_sharded(tx(True), params, grads, RELAY_SPECS, 5, auto)
   util.assert_close_change(got, want, params, "apollo")
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow)])
+def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
+    name, monkeypatch):
+  """A 64 x 64 matrix split on its rows over the 2 devices of one axis of a 2 x 4 mesh
+  (rank 16): moving it to its columns would send more than the sum over its rows
+  (``owners.relay_split`` declines), so ``sigma = U^T G`` is summed and scattered where
+  the state is said placed (``owners.scatter_rows``). The step sends less than the same
+  program with the scatter turned off, and 5 steps with refreshes every 2 give one
+  device's updates."""
+  shapes = {"sq": (64, 64), "wide": (32, 128)}
+  specs = {"sq": P("a", None), "wide": P(None, ("a", "b"))}
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def tx():
+    return getattr(fo, name)(0.01, rank=16, interval=2, stack_matrices=False,
+                             dims={k: fo.MatrixDims() for k in shapes},
+                             owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True),
+                             **(dict(leading=4) if name == "alice" else {}))
+
+  taken = _recorded(monkeypatch, "scatter_rows")
+  scattered = collectives.traffic(_relay_program(tx(), mesh, shapes=shapes, specs=specs), 8,
+                                  refresh=False)[0]
+  assert ("a",) in taken, taken
+  params = util.random_tree(shapes, 0, 0.1)
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx(), params, grads, specs, 5)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(tx(), params, grads, specs, 5, mesh)
+  util.assert_close_change(got, want, params, name)
+  monkeypatch.setattr(owners, "scatter_rows", lambda *a: ())
+  summed = collectives.traffic(_relay_program(tx(), mesh, shapes=shapes, specs=specs), 8,
+                               refresh=False)[0]
+  assert scattered.count["reduce-scatter"] > summed.count["reduce-scatter"], scattered.sent
+  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
 
 
 @pytest.mark.slow

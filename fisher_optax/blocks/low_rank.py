@@ -144,6 +144,7 @@ class _Tracker:
                                               self.basis_splits(lifted), lifted.held_splits)
     out, new_u, new_q = [], [], []
     step = grouping.shared(self.project)  # traced once per leaf shape
+    track = grouping.shared(self.track)
     for g, gc, u_old, view, u, q, key in zip(leaves, gcs, u_leaves, v_leaves, new_flat_u,
                                              new_flat_q, lifted.keys):
       u = u.reshape(u_old.shape)
@@ -151,10 +152,18 @@ class _Tracker:
         q = q.reshape(view.batch_shape + q.shape[-2:])
       relay = (owners.relay_split(view, key, u.shape[-1]) if self.side == "smaller"
                else None)
+      # where the move does not pay, sigma summed over the split rows and scattered where
+      # its state is (owners.scatter_rows): half the bytes of an all-reduce
+      rows = (owners.scatter_rows(view, key, u.shape[-1])
+              if relay is None and self.side == "smaller" else ())
       u_p = u
       if relay is not None:  # sigma = U^T G where the columns are (owners.relay_split)
         gc, u_p = owners.relaid(gc, relay), owners.relaid(u, [])
-      sigma, q, _ = step(gc, u_p, q)
+      if rows:
+        sigma = owners.scattered_projection(u, gc, rows)
+        q = track(sigma, q)
+      else:
+        sigma, q, _ = step(gc, u_p, q)
       if q is not None:
         new_q.append(q)
       new_u.append(u.astype(self.sdtype))
@@ -169,10 +178,15 @@ class _Tracker:
     "tracking step" ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T``; returns ``sigma``, ``Q~``
     and ``U`` in the state dtype."""
     sigma = linalg.matmul(jnp.swapaxes(u, -1, -2), gc)
-    if q is not None:
-      q = linalg.ema(self.b3, q, linalg.matmul(sigma, jnp.swapaxes(sigma, -1, -2)))
-      q = q.astype(self.sdtype)
-    return sigma, q, u.astype(self.sdtype)
+    return sigma, self.track(sigma, q), u.astype(self.sdtype)
+
+  def track(self, sigma, q):
+    """Paper Eq. "tracking step" ``Q~ <- b3 Q~ + (1 - b3) sigma sigma^T`` in the state
+    dtype (``q`` ``None``: no tracking)."""
+    if q is None:
+      return None
+    return linalg.ema(self.b3, q, linalg.matmul(sigma, jnp.swapaxes(sigma, -1, -2))
+                      ).astype(self.sdtype)
 
   def basis_splits(self, lifted):
     """Per leaf, where the state keeps its basis' rows over the owner layout's mesh, where

@@ -428,7 +428,9 @@ def scatter_rows(view, key: str, rank: int) -> tuple:
   parameter splits its ``n`` over them (:func:`relay_split`'s test). Its coefficients then
   stay where their state is (:func:`coefficient_layout`): one reduce-scatter of the
   ``r x n`` coefficients, half the bytes of the all-reduce that left them on every device
-  (XLA:CPU's partitioner does not turn an all-reduce and a slice into one)."""
+  (XLA:CPU's partitioner does not turn an all-reduce and a slice into one). APOLLO's
+  source takes it wherever it applies; a low-rank source where :func:`relay_split`
+  declines to move the gradient (few devices on the rows against the rank)."""
   on = _ACTIVE.get()
   if on is None or not on.held or not on.specs:
     return ()
