@@ -712,6 +712,30 @@ def test_a_random_projection_scattered_over_two_mesh_axes(monkeypatch):
   util.assert_close_change(got, want, params, "apollo")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["apollo", "galore"])
+def test_zero_and_nan_gradients_of_a_scattered_projection(name, monkeypatch):
+  """A zero or NaN gradient in a row-split matrix whose ``U^T G`` is summed and
+  scattered (APOLLO on 8 devices; GaLore where the move declines, 2 devices on the rows
+  of a 2 x 4 mesh): the update of one device, the degenerate leaf alone affected."""
+  if name == "apollo":
+    shapes, specs = RELAY_PARAMS, RELAY_SPECS
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  else:
+    shapes = {"sq": (64, 64), "stack": (2, 64, 64)}
+    specs = {"sq": P("a", None), "stack": P(None, None, ("a", "b"))}
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  tx = getattr(fo, name)(0.01, rank=16, interval=2, stack_matrices=False,
+                         dims={k: fo.MatrixDims() for k in shapes},
+                         owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
+  params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  taken = _recorded(monkeypatch, "scatter_rows")
+  util.assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mesh,
+                                              leaf="sq", other="stack")
+  assert any(taken), taken
+
+
 def test_a_scattered_random_projection_against_the_float64_reference(monkeypatch):
   """8 matrices 16 x 64 split on their rows over the 8 devices of an Explicit mesh, the
   coefficients' state split as ``fo.state_shardings`` lays it out: APOLLO sums and
