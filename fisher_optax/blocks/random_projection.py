@@ -81,11 +81,10 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
     # but raised the temporary memory from 0.06x to 0.14x (the 60M LLaMA's shapes, FSDP
     # over 32 CPU devices: the draws' threefry temporaries)
     scatter = [owners.scatter_rows(v, k, r) for v, k, r in zip(lifted.views, lifted.keys, ranks)]
-    # the draws of all leaves with the same (m, r) and layout in one vmapped call
-    groups = [(v.m, r) for v, r in zip(lifted.views, ranks)]
+    # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
+    shapes = [(v.m, r) for v, r in zip(lifted.views, ranks)]
     bases = grouping.vmap_grouped(
-        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr[:2]), indices,
-        groups)
+        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices, shapes)
     nodes = []
     project = grouping.shared(linalg.project_rows)
     for g, gc, basis, view, rows in zip(lifted.leaves, lifted.canonical_grads, bases,

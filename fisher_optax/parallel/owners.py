@@ -382,23 +382,35 @@ def relay_split(view, key: str, rank: int) -> Optional[list]:
   0.21x -> 0.44x of the parameter bytes per step). With the state split, at the 60M
   LLaMA's shapes under FSDP over 32 CPU devices: GaLore 0.105x -> 0.044x, Alice 0.120x
   -> 0.075x, Alice-SOAP 0.186x -> 0.107x; over 8 devices GaLore 0.095x -> 0.063x."""
-  on = _ACTIVE.get()
-  if on is None or not on.held or not on.specs:
+  rows = _rows_where_state_is(view, key, rank)
+  if not rows:
     return None
-  entry = on.specs.get(key)
-  if entry is None or entry[0] != tuple(view.shape):
-    return None
-  split = view_split(view, entry[1], spread=False)
-  rows = tuple(n for a, n in split or [] if a == 1)
-  if not rows or any(a == 2 for a, _ in split):
-    return None
-  size = math.prod(on.mesh.shape[n] for n in rows)
+  size = math.prod(_ACTIVE.get().mesh.shape[n] for n in rows)
   m, n, r = view.m, view.n, rank
-  if n % size or 2 * m * n / size + m * r >= 3 * r * n:
-    return None
-  if not _state_split_on_rows(on, view, key, r, rows):
+  if 2 * m * n / size + m * r >= 3 * r * n:
     return None
   return [(2, name) for name in rows]
+
+
+def _rows_where_state_is(view, key: str, rank: int, split: Any = False) -> tuple:
+  """The mesh axes that split a gradient's rows, where it is split on its rows only,
+  ``n`` divides over those axes, and every ``r x n`` state array of its parameter splits
+  its ``n`` over them (:func:`_state_split_on_rows`); else ``()``. ``split``: the
+  gradient's split (:func:`view_split`), by default read from the specs given."""
+  on = _ACTIVE.get()
+  if on is None or not on.held:
+    return ()
+  if split is False:
+    entry = (on.specs or {}).get(key)
+    if entry is None or entry[0] != tuple(view.shape):
+      return ()
+    split = view_split(view, entry[1], spread=False)
+  rows = tuple(n for a, n in split or [] if a == 1)
+  if (not rows or any(a == 2 for a, _ in split)
+      or view.n % math.prod(on.mesh.shape[n] for n in rows)
+      or not _state_split_on_rows(on, view, key, rank, rows)):
+    return ()
+  return rows
 
 
 def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bool:
@@ -431,18 +443,7 @@ def scatter_rows(view, key: str, rank: int) -> tuple:
   (XLA:CPU's partitioner does not turn an all-reduce and a slice into one). APOLLO's
   source takes it wherever it applies; a low-rank source where :func:`relay_split`
   declines to move the gradient (few devices on the rows against the rank)."""
-  on = _ACTIVE.get()
-  if on is None or not on.held or not on.specs:
-    return ()
-  entry = on.specs.get(key)
-  if entry is None or entry[0] != tuple(view.shape):
-    return ()
-  split = view_split(view, entry[1], spread=False)
-  rows = tuple(n for a, n in split or [] if a == 1)
-  if not rows or any(a == 2 for a, _ in split) or view.n % math.prod(
-      on.mesh.shape[n] for n in rows):
-    return ()
-  return rows if _state_split_on_rows(on, view, key, rank, rows) else ()
+  return _rows_where_state_is(view, key, rank)
 
 
 def scattered_projection(basis: jax.Array, a: jax.Array, rows: tuple) -> jax.Array:
@@ -501,12 +502,9 @@ def coefficient_layout(coeffs: Any, views: list, moved: Optional[list] = None) -
       split = list(relay)
     elif spec is not None:
       split = view_split(view, spec, spread=False)
-      rows = tuple(n for a, n in split or [] if a == 1)
-      size = math.prod(on.mesh.shape[n] for n in rows)
-      if (rows and on.held and not any(a == 2 for a, _ in split) and view.n % size == 0
-          and _state_split_on_rows(on, view, k, jnp.shape(x)[-2], rows)):
-        # the sum over the split rows left where the state keeps the coefficients
-        split = split + [(2, n) for n in rows]
+      if split is not None:  # the sum over the split rows left where the state keeps them
+        split = split + [(2, n) for n in _rows_where_state_is(view, k, jnp.shape(x)[-2],
+                                                              split)]
     elif not entries and _split_axes(on.mesh) == 1:
       # a gradient whose split is not known, on a mesh of one axis: FSDP's, as the
       # exchange guesses it (a guess on a mesh of several axes moved the coefficients
