@@ -601,7 +601,8 @@ def test_on_auto_axes_a_gradient_moves_to_its_columns_where_the_state_is_said_pl
 def _recorded(monkeypatch, name: str) -> list:
   """What ``owners.<name>`` returns at each call, in a list (the function kept)."""
   seen, fn = [], getattr(owners, name)
-  monkeypatch.setattr(owners, name, lambda *a: (lambda r: seen.append(r) or r)(fn(*a)))
+  monkeypatch.setattr(owners, name,
+                      lambda *a, **kw: (lambda r: seen.append(r) or r)(fn(*a, **kw)))
   return seen
 
 
@@ -733,24 +734,28 @@ def test_summed_and_scattered_coefficients_against_the_float64_reference(name, m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["apollo", "galore"])
+@pytest.mark.parametrize("name", ["apollo", "apollo_drawn", "galore"])
 def test_zero_and_nan_gradients_of_a_scattered_projection(name, monkeypatch):
   """A zero or NaN gradient in a row-split matrix whose ``U^T G`` is summed and
   scattered (APOLLO on 8 devices; GaLore where the move declines, 2 devices on the rows
-  of a 2 x 4 mesh): the update of one device, the degenerate leaf alone affected."""
-  if name == "apollo":
+  of a 2 x 4 mesh), or projected where its columns are with bases drawn on every device
+  (APOLLO at rank 32, ``owners.drawn_projections``): the update of one device, the
+  degenerate leaf alone affected."""
+  if name.startswith("apollo"):
     shapes, specs = RELAY_PARAMS, RELAY_SPECS
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   else:
     shapes = {"sq": (64, 64), "stack": (2, 64, 64)}
     specs = {"sq": P("a", None), "stack": P(None, None, ("a", "b"))}
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  tx = getattr(fo, name)(0.01, rank=16, interval=2, stack_matrices=False,
-                         dims={k: fo.MatrixDims() for k in shapes},
-                         owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
+  tx = getattr(fo, name.split("_")[0])(
+      0.01, rank=32 if name == "apollo_drawn" else 16, interval=2, stack_matrices=False,
+      dims={k: fo.MatrixDims() for k in shapes},
+      owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
   params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
   grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
-  taken = _recorded(monkeypatch, "scatter_rows")
+  taken = (_drawn_shapes(monkeypatch) if name == "apollo_drawn"
+           else _recorded(monkeypatch, "scatter_rows"))
   util.assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mesh,
                                               leaf="sq", other="stack")
   assert any(taken), taken
@@ -785,25 +790,88 @@ def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
                              atol=6e-4)  # one bfloat16 step near 0.1; measured: equal
 
 
-def test_a_scattered_random_projection_against_the_float64_reference(monkeypatch):
-  """8 matrices 16 x 64 split on their rows over the 8 devices of an Explicit mesh, the
-  coefficients' state split as ``fo.state_shardings`` lays it out: APOLLO sums and
-  scatters ``sigma = U^T G`` over the rows' axis, and every update of 5 steps (new
-  projections at 1, 3 and 5) equals the dense float64 re-derivation to float32
-  rounding."""
+def _apollo_error_on_explicit_axes(rank: int, spec: P) -> float:
+  """8 APOLLO matrices 16 x 64 laid out as ``spec`` over the 8 devices of an Explicit
+  mesh, the state as ``fo.state_shardings`` lays it out: the largest relative error of 5
+  updates (new projections at 1, 3 and 5) against the dense float64 re-derivation."""
   shape = (8, 16, 64)
-  taken = _recorded(monkeypatch, "scatter_rows")
   grads = util.structured_grads(shape, 5, seed=3)
-  bases = util.apollo_bases(shape, 3, 2)
-  refs = [reference._Transposing(reference.ApolloRef, 16, 64, lr=util.LR, rank=3,
+  bases = util.apollo_bases(shape, rank, 2)
+  refs = [reference._Transposing(reference.ApolloRef, 16, 64, lr=util.LR, rank=rank,
                                  kind="channel", scale=1.0, basis=bases(b)) for b in range(8)]
   want = [np.stack([ref.step(np.asarray(g, np.float64)[i]) for i, ref in enumerate(refs)])
           for g in grads]
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
-  tx = fo.apollo(util.LR, rank=3, interval=2, dims=util.STACK)
-  got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", None))
+  tx = fo.apollo(util.LR, rank=rank, interval=2, dims=util.STACK)
+  got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
+  return max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+
+
+def test_a_scattered_random_projection_against_the_float64_reference(monkeypatch):
+  """8 matrices 16 x 64 split on their rows over 8 devices, rank 3 (moving them to
+  their columns would send more): APOLLO sums and scatters ``sigma = U^T G`` over the
+  rows' axis, and every update of 5 steps equals the float64 re-derivation to float32
+  rounding."""
+  taken = _recorded(monkeypatch, "scatter_rows")
+  err = _apollo_error_on_explicit_axes(3, P(None, "fsdp", None))
   assert taken and taken[0] == ("fsdp",), taken
-  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+def _drawn_shapes(monkeypatch) -> list:
+  """Per call of ``owners.drawn_projections``, its leaves' canonical gradient shapes."""
+  seen, fn = [], owners.drawn_projections
+
+  def record(draw, key, leaves):
+    seen.append([tuple(g.shape) for _, g, _, _ in leaves])
+    return fn(draw, key, leaves)
+
+  monkeypatch.setattr(owners, "drawn_projections", record)
+  return seen
+
+
+def test_a_random_projection_draws_its_bases_where_the_columns_are(monkeypatch):
+  """APOLLO on ``Auto`` axes with the specs given, rank 32 over 8 devices: the square
+  matrices split on their rows move to their columns (sending ``2 m n / 8`` instead of
+  summing ``r n``), and there, as for the matrix split on its columns, every device
+  draws each basis whole and projects its columns (``owners.drawn_projections``): no
+  basis is gathered, the step sends less than half of what it sends with those paths
+  turned off, and 5 steps with a new projection every 2 give one device's updates."""
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def tx():
+    return fo.apollo(0.01, rank=32, interval=2, stack_matrices=False,
+                     dims={k: fo.MatrixDims() for k in RELAY_PARAMS},
+                     owner_layout=fo.OwnerLayout(param_specs=RELAY_SPECS, state_placed=True))
+
+  drawn = _drawn_shapes(monkeypatch)
+  local = collectives.traffic(_relay_program(tx(), auto), 8, refresh=False)[0]
+  assert drawn and drawn[0] == [(1, 64, 64), (2, 64, 64), (1, 32, 128)], drawn
+  assert local.count.get("all-gather", 0) == 0, local.sent
+  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
+  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx(), params, grads, RELAY_SPECS, 5)
+  with jax.set_mesh(auto):
+    got, _ = util.run_sharded(tx(), params, grads, RELAY_SPECS, 5, auto)
+  util.assert_close_change(got, want, params, "apollo")
+  monkeypatch.setattr(owners, "relay_split", lambda *a, **kw: None)
+  monkeypatch.setattr(owners, "columns_only", lambda *a: ())
+  summed = collectives.traffic(_relay_program(tx(), auto), 8, refresh=False)[0]
+  assert local.total < 0.5 * summed.total, (local.total, summed.total)
+
+
+@pytest.mark.parametrize("split", ["rows", "columns"])
+def test_random_projections_drawn_where_the_columns_are_against_the_float64_reference(
+    split, monkeypatch):
+  """8 matrices 16 x 64 split over 8 devices, rank 8: on their rows they move to their
+  columns (``owners.relay_split``), on their columns they stay; either way each device
+  draws every basis whole and projects its columns in one loop over the stack
+  (``owners.drawn_projections``), and every update of 5 steps equals the float64
+  re-derivation to float32 rounding."""
+  drawn = _drawn_shapes(monkeypatch)
+  err = _apollo_error_on_explicit_axes(
+      8, P(None, "fsdp", None) if split == "rows" else P(None, None, "fsdp"))
+  assert drawn and drawn[0] == [(8, 16, 64)], drawn
   assert err < 1e-4, err
 
 

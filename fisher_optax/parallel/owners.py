@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import itertools
 import math
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -364,9 +366,14 @@ def state_held(state: Any, specs: dict, placed: bool = False) -> dict:
   return out
 
 
-def relay_split(view, key: str, rank: int) -> Optional[list]:
+def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
+                basis_sent: bool = True) -> Optional[list]:
   """Where a low-rank source moves a gradient split on its rows only to a split of its
   columns before ``sigma = U^T G`` (``[(2, mesh axis), ...]``), else ``None``.
+
+  ``stay``: what not moving sends, in multiples of ``r n`` (3 for a tracked basis, as
+  below; 1 for a random projection, whose sum is scattered where its state is);
+  ``basis_sent``: whether moving sends the basis (not one drawn on every device).
 
   Split on its rows over ``R`` devices, ``U^T G`` is a sum over them: an all-reduce of
   the ``r x n`` coefficients, and the coefficients gathered again for ``U coeffs`` where
@@ -387,7 +394,7 @@ def relay_split(view, key: str, rank: int) -> Optional[list]:
     return None
   size = math.prod(_ACTIVE.get().mesh.shape[n] for n in rows)
   m, n, r = view.m, view.n, rank
-  if 2 * m * n / size + m * r >= 3 * r * n:
+  if 2 * m * n / size + (m * r if basis_sent else 0) >= stay * r * n:
     return None
   return [(2, name) for name in rows]
 
@@ -460,6 +467,67 @@ def scattered_projection(basis: jax.Array, a: jax.Array, rows: tuple) -> jax.Arr
 
   return jax.shard_map(local, in_specs=(split_rows, split_rows), out_specs=P(*lead, None, rows),
                        check_vma=False, **_mesh_argument(on.mesh))(basis, a)
+
+
+def columns_only(view, key: str) -> tuple:
+  """The mesh axes that split a gradient's columns where it is split on its columns
+  only (its split known, from the specs given or its type; ``n`` divides over them),
+  else ``()``."""
+  on = _ACTIVE.get()
+  entry = None if on is None else (on.specs or {}).get(key)
+  if entry is None or entry[0] != tuple(view.shape):
+    return ()
+  split = view_split(view, entry[1], spread=False)
+  if not split or any(a == 1 for a, _ in split):
+    return ()
+  return tuple(n for a, n in split if a == 2)
+
+
+def drawn_projections(draw: Callable, key: jax.Array, leaves: list) -> list:
+  """``sigma_i = U_i^T G_i`` with every basis drawn whole on every device and used at
+  once, for leaves whose columns are split: ``leaves`` is ``[(indices, gradient,
+  axes, r), ...]`` (``indices``: the matrices' tree-wide indices, shape ``k``;
+  ``gradient``: canonical ``k x m x n``, its columns split over the mesh axes ``axes``);
+  ``draw(key, i, m, r)`` is matrix ``i``'s ``m x r`` basis. Leaves of one local shape
+  share a ``shard_map`` whose loop draws each basis and projects the local columns with
+  it, so no basis crosses between devices and one is held at a time (a loop step per
+  matrix); returns ``k x r x n`` per leaf, split as its gradient's columns."""
+  on = _ACTIVE.get()
+  groups: dict = {}
+  for i, (_, g, axes, r) in enumerate(leaves):
+    groups.setdefault((g.shape[1:], g.dtype, axes, r), []).append(i)
+  out = [None] * len(leaves)
+  for (shape, _, axes, r), members in groups.items():
+    spec = P(None, None, axes)
+
+    def local(k, idx, gs, m=shape[0], r=r):
+      # matrix j of the group: leaf `owner[j]`, entry `pos[j]` of its stack; picked by a
+      # switch rather than from a concatenation, which copied the group's gradients
+      owner = jnp.asarray([a for a, x in enumerate(gs) for _ in range(x.shape[0])])
+      pos = jnp.asarray([b for x in gs for b in range(x.shape[0])])
+      ids = jnp.concatenate(idx)
+      pick = [functools.partial(lambda a, b, *xs: jax.lax.dynamic_index_in_dim(
+          xs[a], b, keepdims=False), a) for a in range(len(gs))]
+
+      def one(j, acc):
+        g = jax.lax.switch(owner[j], pick, pos[j], *gs)
+        sigma = linalg.project_rows(draw(k, ids[j], m, r), g)
+        return jax.lax.dynamic_update_index_in_dim(acc, sigma.astype(acc.dtype), j, 0)
+
+      acc = jnp.zeros((ids.shape[0], r, gs[0].shape[-1]),
+                      jnp.result_type(gs[0].dtype, jnp.float32))
+      sigma = jax.lax.fori_loop(0, ids.shape[0], one, acc)
+      starts = list(itertools.accumulate([0] + [x.shape[0] for x in gs]))
+      return [sigma[a:b] for a, b in zip(starts, starts[1:])]
+
+    idx = [leaves[i][0] for i in members]
+    gs = [leaves[i][1] for i in members]
+    res = jax.shard_map(local, in_specs=(P(), [P()] * len(idx), [spec] * len(gs)),
+                        out_specs=[spec] * len(gs), check_vma=False,
+                        **_mesh_argument(on.mesh))(key, idx, gs)
+    for i, r in zip(members, res):
+      out[i] = r
+  return out
 
 
 def relaid(x: jax.Array, split: list) -> jax.Array:
