@@ -510,7 +510,8 @@ def drawn_projections(draw: Callable, key: jax.Array, leaves: list) -> list:
           xs[a], b, keepdims=False), a) for a in range(len(gs))]
 
       def one(j, acc):
-        g = jax.lax.switch(owner[j], pick, pos[j], *gs)
+        g = (pick[0](pos[j], *gs) if len(gs) == 1
+             else jax.lax.switch(owner[j], pick, pos[j], *gs))
         sigma = linalg.project_rows(draw(k, ids[j], m, r), g)
         return jax.lax.dynamic_update_index_in_dim(acc, sigma.astype(acc.dtype), j, 0)
 
