@@ -126,7 +126,7 @@ class Switch:
     singular vectors (eigenvalue 0 of ``G G^T``) when ``r > n``. ``signs=False`` leaves
     the final canonical sign fix to the caller (not possible when ``r > n``: the
     complement is drawn from the signed vectors)."""
-    m, n = c.shape
+    m, n = linalg.total_rows(c.shape[0]), c.shape[1]  # c's rows may be split
     if m == n:  # the Gram, symmetric by construction
       return linalg.top_eigvecs(c, r, signs=signs, symmetrize=False)
     if r <= n:
@@ -145,10 +145,13 @@ class Switch:
     m, r = u_old.shape
     rows = linalg.total_rows(c.shape[0])  # a tall c's rows may be split (linalg.rows_split)
     after = rows == c.shape[1] or r <= c.shape[1]  # see first_from(signs=False)
-    u = jax.lax.cond(first, lambda: linalg.on_whole_rows(
-                         lambda whole: self.first_from(whole, r, signs=not after), c),
-                     lambda: self.refresh_from(c, u_old, q_old, b3, noise,
-                                               signs=not after))
+    if rows > c.shape[1] >= r:  # a thin SVD, split where c's rows are
+      begin = lambda: self.first_from(c, r, signs=not after)  # noqa: E731
+    else:  # the Gram's eigh, or a complement drawn from the whole basis
+      begin = lambda: linalg.on_whole_rows(  # noqa: E731
+          lambda whole: self.first_from(whole, r, signs=not after), c)
+    u = jax.lax.cond(first, begin, lambda: self.refresh_from(c, u_old, q_old, b3, noise,
+                                                             signs=not after))
     return linalg.canonical_signs(u) if after else u
 
   def noise_size(self, m: int, r: int) -> int:

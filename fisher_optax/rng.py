@@ -9,6 +9,8 @@ the same on every device and after a restore.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -39,10 +41,14 @@ def matrix_indices(first: int, batch_shape: tuple) -> jax.Array:
   return (first + jnp.arange(size, dtype=jnp.uint32)).reshape(batch_shape)
 
 
-def words(key: jax.Array, refresh: jax.Array, num_matrices: int, width: int) -> jax.Array:
+def words(key: jax.Array, refresh: jax.Array, num_matrices: int, width: int,
+          rows: Optional[jax.Array] = None) -> jax.Array:
   """``(num_matrices, width)`` uint32 words: row ``j`` is ``jax.random.bits`` of
-  :func:`draw_key` ``(key, refresh, j)``, all rows in one vmapped draw."""
-  rows = jnp.arange(num_matrices, dtype=jnp.uint32)
+  :func:`draw_key` ``(key, refresh, j)``, all rows in one vmapped draw; ``rows``: the
+  matrices ``j`` to draw for (default ``0, ..., num_matrices - 1``). Threefry's draws are
+  partitionable (JAX's default), so a row of fewer words is the start of a longer one."""
+  if rows is None:
+    rows = jnp.arange(num_matrices, dtype=jnp.uint32)
   at_refresh = refresh_key(key, refresh)
   return jax.vmap(lambda j: jax.random.bits(matrix_key(at_refresh, j), (width,),
                                             jnp.uint32))(rows)

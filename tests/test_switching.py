@@ -255,3 +255,14 @@ def test_basis_from_is_the_first_refresh_at_step_one_and_the_switching_refresh_a
   svd = fo.svd_refresh()
   np.testing.assert_allclose(np.asarray(svd.basis_from(g[0], u_old[0], None, 0.0, None, False)),
                              np.asarray(svd.first_from(g[0], r)), atol=1e-6)
+
+
+def test_random_words_of_chosen_matrices_and_widths_are_the_starts_of_the_widest_rows():
+  """``rng.words`` for some matrices at a smaller width (a tracker draws per width, each
+  matrix's row as long as it reads) gives the starts of those matrices' rows at the
+  widest: the same words as one draw at the widest width for every matrix."""
+  from fisher_optax import rng
+  key, count = jax.random.PRNGKey(5), jnp.int32(3)
+  widest = rng.words(key, count, 10, 40)
+  some = rng.words(key, count, 3, 7, rows=jnp.asarray([4, 7, 9], jnp.uint32))
+  np.testing.assert_array_equal(np.asarray(some), np.asarray(widest)[[4, 7, 9], :7])

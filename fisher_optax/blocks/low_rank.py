@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -328,12 +329,25 @@ class _Tracker:
     in order, stacks flattened) taking row ``j``."""
     if not gs:  # no matrices (e.g. every leaf routed to the fallback)
       return []
-    sizes = [self.policy.noise_size(g.shape[-2], u.shape[-1]) for g, u in zip(gs, us)]
+    sizes = [max(self.policy.noise_size(g.shape[-2], u.shape[-1]), 1)
+             for g, u in zip(gs, us)]
     rows = [g.shape[0] for g in gs]
-    words = rng.words(key, count, sum(rows), max(max(sizes), 1))
     starts = [sum(rows[:i]) for i in range(len(rows))]
-    return [part[:, :max(size, 1)]
-            for part, size in zip(grouping.split(words, starts, rows), sizes)]
+    # one draw per width, each matrix's row as long as it reads: drawn at the widest,
+    # the output layer's coefficients (32000 rows at the 60M LLaMA's shapes) made every
+    # matrix's row 31872 words, 7.3 MB on every device under FSDP over 32 devices, four
+    # such arrays the peak of Alice-SOAP's temporary memory
+    out: list = [None] * len(gs)
+    for width in sorted(set(sizes)):
+      members = [i for i, z in enumerate(sizes) if z == width]
+      ids = jnp.concatenate([starts[i] + jnp.arange(rows[i], dtype=jnp.uint32)
+                             for i in members])
+      words = rng.words(key, count, len(ids), width, rows=ids)
+      local = list(itertools.accumulate([0] + [rows[i] for i in members]))
+      parts = grouping.split(words, local[:-1], [rows[i] for i in members])
+      for i, part in zip(members, parts):
+        out[i] = part
+    return out
 
   def refresh_matrix(self, x1, u1, q1, n1, first):
     u_new = self.policy.basis_from(x1, u1, q1, self.b3, n1, first)
