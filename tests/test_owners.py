@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fisher_optax as fo
 from benchmarks import collectives
+from fisher_optax import linalg
 from fisher_optax.parallel import owners, packed
 from tests import reference, registry, util
 
@@ -765,8 +766,9 @@ def test_zero_and_nan_gradients_of_a_scattered_projection(name, monkeypatch):
 @pytest.mark.parametrize("name", ["apollo", "galore"])
 def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
   """bfloat16 parameters and gradients of a 64 x 64 matrix split on its rows over 2
-  devices of a 2 x 4 mesh, ``U^T G`` summed and scattered: 4 steps give one device's
-  bfloat16 updates."""
+  devices of a 2 x 4 mesh, ``U^T G`` summed and scattered, and of a wide matrix split on
+  its columns (APOLLO: its bases drawn where its columns are): 4 steps give one
+  device's bfloat16 updates."""
   shapes = {"sq": (64, 64), "wide": (32, 128)}
   specs = {"sq": P("a", None), "wide": P(None, ("a", "b"))}
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -784,10 +786,11 @@ def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(tx(), params, grads, specs, 4, mesh)
   assert ("a",) in taken, taken
-  assert got["sq"].dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(got["sq"], np.float32),
-                             np.asarray(want["sq"], np.float32), rtol=0,
-                             atol=6e-4)  # one bfloat16 step near 0.1; measured: equal
+  for leaf in ("sq", "wide"):  # APOLLO's wide one: its bases drawn where its columns are
+    assert got[leaf].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got[leaf], np.float32),
+                               np.asarray(want[leaf], np.float32), rtol=0,
+                               atol=6e-4)  # one bfloat16 step near 0.1; measured: equal
 
 
 def _apollo_error_on_explicit_axes(rank: int, spec: P) -> float:
@@ -894,14 +897,17 @@ def test_a_tall_coefficient_matrix_refreshes_its_basis_where_its_rows_are(explic
   """Alice-SOAP's right basis of 2 matrices 8 x 64: each one's coefficients ``sigma^T``
   (64 rows) is larger than a device's share of the refresh, so its basis is refreshed
   where its rows are (``owners.rows_in_place``, ``owners.on_rows``), the first refresh
-  by an SVD of the gathered matrix; every update of 7 steps (refreshes at 1, 4 and 7)
-  equals the dense float64 re-derivation."""
+  by a tall-skinny QR of its blocks of rows (``linalg.split_left_singular``: 8 rows a
+  device, 3 columns); every update of 7 steps (refreshes at 1, 4 and 7) equals the dense
+  float64 re-derivation."""
   shape = (2, 8, 64)
-  calls = []
-  on_rows = owners.on_rows
+  calls, split = [], []
+  on_rows, split_svd = owners.on_rows, linalg.split_left_singular
   monkeypatch.setattr(owners, "on_rows",
                       lambda body, items, *a: calls.append([i[0].shape for i in items])
                       or on_rows(body, items, *a))
+  monkeypatch.setattr(linalg, "split_left_singular",
+                      lambda a, axes: split.append(a.shape) or split_svd(a, axes))
   grads = util.structured_grads(shape, 7, seed=4)
   kw = registry.WITH_REFERENCE["alice_soap"]
   want = util.run_reference("alice_soap", shape, grads, **kw)
@@ -910,5 +916,6 @@ def test_a_tall_coefficient_matrix_refreshes_its_basis_where_its_rows_are(explic
   tx = fo.alice_soap(util.LR, dims=util.STACK, **kw, owner_layout=layout)
   got = util.updates_on_mesh(tx, shape, grads, _mesh(explicit), spec)
   assert calls and calls[0] == [(2, 64, 3)], calls
+  assert split and split[0] == (8, 3), split
   err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
   assert err < 1e-4, err

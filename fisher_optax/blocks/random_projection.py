@@ -81,48 +81,59 @@ def random_project(*, rank: int, interval: int = 200, seed: int = 0,
       firsts.append(firsts[-1] + v.num_matrices)
     indices = [rng.matrix_indices(f, v.batch_shape) for f, v in zip(firsts, lifted.views)]
     ranks = [subspace.clipped_rank(rank, v) for v in lifted.views]
-    # Under the owner layout, where a gradient's split is known: split on its columns
-    # (or moved there from its rows, owners.relay_split, where that sends less than
-    # summing sigma over the rows), each device draws every basis whole and projects its
-    # columns, one basis at a time (owners.drawn_projections); else, where the state is
-    # split as the rows, sigma is summed and scattered (owners.scatter_rows). Measured at
-    # the 60M LLaMA's shapes, FSDP over 32 CPU devices: left to XLA, which drew each
-    # basis split over its rows and gathered it (every basis held at once), and with the
-    # rows summed, 0.061x of the parameter bytes sent per step and 0.064x temporary
-    # memory; drawn where the columns are, 0.009x and 0.013x (8 devices: 0.056x and
-    # 0.038x -> 0.032x and 0.032x).
-    relays = [owners.relay_split(v, k, r, stay=1.0, basis_sent=False)
-              for v, k, r in zip(lifted.views, lifted.keys, ranks)]
-    drawn = [() if not v.num_matrices else tuple(n for _, n in m) if m
-             else owners.columns_only(v, k) for v, k, m in zip(lifted.views, lifted.keys, relays)]
-    scatter = [() if d else owners.scatter_rows(v, k, r)
-               for v, k, r, d in zip(lifted.views, lifted.keys, ranks, drawn)]
-    # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
-    shapes = [(v.m, r) for v, r in zip(lifted.views, ranks)]
-    bases = grouping.vmap_grouped(
-        lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices, shapes)
-    gcs = [owners.relaid(gc, m) if m else gc for gc, m in zip(lifted.canonical_grads, relays)]
-    local = [i for i, d in enumerate(drawn) if d]
-    sigmas = dict(zip(local, owners.drawn_projections(
-        lambda key, i, m, r: random_basis(rng.matrix_key(key, i), m, r), renewal_key,
-        [(indices[i].reshape(-1), gcs[i].reshape((-1,) + gcs[i].shape[-2:]), drawn[i],
-          ranks[i]) for i in local]) if local else []))
-    nodes = []
-    project = grouping.shared(linalg.project_rows)
-    for i, (g, gc, basis, view, rows, relay) in enumerate(zip(
-        lifted.leaves, gcs, bases, lifted.views, scatter, relays)):
-      if i in sigmas:
-        sigma = sigmas[i].reshape(view.batch_shape + sigmas[i].shape[-2:])
-      elif rows:
-        sigma = owners.scattered_projection(basis, gc, rows)
-      else:
-        sigma = project(basis, gc)
-      nodes.append(subspace.Subspace(sigma, sigma, basis, gc, view, g.dtype,
-                                     None if relay is None else tuple(relay)))
+    nodes = _projected(lifted, indices, ranks, renewal_key)
     count = optax.safe_int32_increment(state.count)
     return lifted.unflatten(nodes), RandomProjectState(count=count)
 
   return subspace.subspace_source(init_fn, update_fn, rank=rank, dims=dims)
+
+
+def _projected(lifted: lifting.Lifted, indices: list, ranks: list,
+               renewal_key: jax.Array) -> list:
+  """Per leaf, the :class:`~fisher_optax.blocks.subspace.Subspace` of ``sigma = U^T G``
+  for the bases ``U`` drawn from ``renewal_key`` (matrix ``i``: ``random_basis(
+  fold_in(renewal_key, i))``).
+
+  Under the owner layout, where a gradient's split is known: split on its columns (or
+  moved there from its rows, ``owners.relay_split``, where that sends less than summing
+  ``sigma`` over the rows), each device draws every basis whole and projects its
+  columns, one basis at a time (``owners.drawn_projections``); else, where the state is
+  split as the rows, ``sigma`` is summed and scattered (``owners.scatter_rows``).
+  Measured at the 60M LLaMA's shapes, FSDP over 32 CPU devices: left to XLA, which drew
+  each basis split over its rows and gathered it (every basis held at once), and with
+  the rows summed, 0.061x of the parameter bytes sent per step and 0.064x temporary
+  memory; drawn where the columns are, 0.009x and 0.013x (8 devices: 0.056x and 0.038x
+  -> 0.032x and 0.032x)."""
+  views, keys = lifted.views, lifted.keys
+  relays = [owners.relay_split(v, k, r, stay=1.0, basis_sent=False)
+            for v, k, r in zip(views, keys, ranks)]
+  drawn = [() if not v.num_matrices else tuple(n for _, n in m) if m
+           else owners.columns_only(v, k) for v, k, m in zip(views, keys, relays)]
+  scatter = [() if d else owners.scatter_rows(v, k, r)
+             for v, k, r, d in zip(views, keys, ranks, drawn)]
+  # the draws of all leaves with the same (m, r) in one vmapped call (grouping.vmap_grouped)
+  bases = grouping.vmap_grouped(
+      lambda mr: lambda i: random_basis(rng.matrix_key(renewal_key, i), *mr), indices,
+      [(v.m, r) for v, r in zip(views, ranks)])
+  gcs = [owners.relaid(gc, m) if m else gc for gc, m in zip(lifted.canonical_grads, relays)]
+  local = [i for i, d in enumerate(drawn) if d]
+  sigmas = dict(zip(local, owners.drawn_projections(
+      lambda key, i, m, r: random_basis(rng.matrix_key(key, i), m, r), renewal_key,
+      [(indices[i].reshape(-1), gcs[i].reshape((-1,) + gcs[i].shape[-2:]), drawn[i],
+        ranks[i]) for i in local]) if local else []))
+  nodes = []
+  project = grouping.shared(linalg.project_rows)
+  for i, (g, gc, basis, view, rows, relay) in enumerate(zip(
+      lifted.leaves, gcs, bases, views, scatter, relays)):
+    if i in sigmas:
+      sigma = sigmas[i].reshape(view.batch_shape + sigmas[i].shape[-2:])
+    elif rows:
+      sigma = owners.scattered_projection(basis, gc, rows)
+    else:
+      sigma = project(basis, gc)
+    nodes.append(subspace.Subspace(sigma, sigma, basis, gc, view, g.dtype,
+                                   None if relay is None else tuple(relay)))
+  return nodes
 
 
 def scale_by_subspace_ratio(kind: str = "channel") -> optax.GradientTransformation:
