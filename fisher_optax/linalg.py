@@ -200,18 +200,45 @@ def top_left_singular(g: jax.Array, r: int, *, signs: bool = True) -> jax.Array:
 def split_left_singular(a: jax.Array, axes: tuple) -> jax.Array:
   """This device's rows of the left singular vectors of a tall matrix whose rows are
   split in blocks over the mesh ``axes`` (each block ``b x n``, ``b >= n``), by a
-  tall-skinny QR: ``A_i = Q_i R_i`` on each device, ``[R_1; ...; R_P] = Q' R`` from the
-  gathered ``n x n`` factors, ``R = U_R S V^T``, so ``A = (diag(Q_i) Q' U_R) S V^T`` and
-  the left singular vectors are ``Q_i Q'_i U_R`` (``Q'_i``: block ``i`` of ``Q'``; Demmel
-  et al. 2012, arXiv:0808.2664). Only ``n x n`` factors cross between devices, where
-  gathering the matrix put all of it on every device (the 60M LLaMA's 32000 x 128
-  coefficients under FSDP: 16 MB, twice, in every device's temporary memory)."""
+  tall-skinny QR: ``A_i = Q_i R_i`` on each device, ``[R_1; ...; R_P] = Q' R``,
+  ``R = U_R S V^T``, so ``A = (diag(Q_i) Q' U_R) S V^T`` and the left singular vectors
+  are ``Q_i Q'_i U_R`` (``Q'_i``: block ``i`` of ``Q'``; Demmel et al. 2012,
+  arXiv:0808.2664). Only ``n x n`` factors cross between devices, where gathering the
+  matrix put all of it on every device (the 60M LLaMA's 32000 x 128 coefficients under
+  FSDP: 16 MB, twice, in every device's temporary memory).
+
+  Where every mesh axis of ``axes`` has a power-of-two size, ``Q' R`` is formed by the
+  butterfly of the same paper (its all-reduce TSQR), one bit of each axis' index at a
+  time: each device and the one whose index differs in that bit swap their ``n x n``
+  factors and both factor the pair stacked lower index first, ``[R_lo; R_hi] = Q_j R``,
+  keeping their own ``n x n`` half of ``Q_j``; ``Q'_i`` is the product of those halves
+  (each pair factors the same stack, so every device ends with the same ``R``). Each
+  device sends ``log2 P`` factors and holds two, where gathering them sent ``P - 1``
+  and held all ``P`` (32 devices: 2 MB of 128 x 128 factors, and their copy for the
+  QR, in every device's temporary memory). Other device counts gather the factors."""
   n = a.shape[1]
   q1, r1 = jnp.linalg.qr(a, mode="reduced")
-  q2, r2 = jnp.linalg.qr(jax.lax.all_gather(r1, axes, axis=0, tiled=True), mode="reduced")
+  names = axes if isinstance(axes, tuple) else (axes,)
+  sizes = [jax.lax.axis_size(name) for name in names]
+  if any(s & (s - 1) for s in sizes):
+    q2, r2 = jnp.linalg.qr(jax.lax.all_gather(r1, axes, axis=0, tiled=True), mode="reduced")
+    block = jax.lax.dynamic_slice_in_dim(q2, jax.lax.axis_index(axes) * n, n, axis=0)
+  else:
+    block, r2 = None, r1
+    # one axis at a time: ppermute over several axes numbers the devices in the
+    # mesh's order, not in the order of the names given (jax 0.10)
+    for name, size in zip(names, sizes):
+      me, bit = jax.lax.axis_index(name), 1
+      while bit < size:
+        other = jax.lax.ppermute(r2, name, [(d, d ^ bit) for d in range(size)])
+        low = (me & bit) == 0
+        qj, r2 = jnp.linalg.qr(jnp.concatenate([jnp.where(low, r2, other),
+                                                jnp.where(low, other, r2)]), mode="reduced")
+        half = jnp.where(low, qj[:n], qj[n:])
+        block = half if block is None else matmul(block, half)
+        bit *= 2
   u_r, _, _ = jnp.linalg.svd(r2)
-  block = jax.lax.dynamic_slice_in_dim(q2, jax.lax.axis_index(axes) * n, n, axis=0)
-  return matmul(q1, matmul(block, u_r))
+  return matmul(q1, u_r if block is None else matmul(block, u_r))
 
 
 def orthonormalize(h: jax.Array) -> jax.Array:

@@ -82,3 +82,31 @@ def test_reductions_over_rows_split_over_devices_give_the_whole_matrix_s(order):
     got = _on_row_blocks(fn, arg, order, mesh, whole_out=whole)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5,
                                err_msg=name)
+
+
+@pytest.mark.parametrize("devices,names", [(8, ("x",)), (8, ("b", "a")), (6, ("x",))])
+def test_split_left_singular_butterfly_and_gathered_give_the_singular_vectors(devices,
+                                                                              names):
+  """``linalg.split_left_singular`` over rows split in blocks of 8: over 8 devices (one
+  mesh axis, or two taken minor axis first) the butterfly of ``n x n`` factors (collective
+  permutes, no all-gather), over 6 the factors gathered; both give the whole matrix's
+  left singular vectors, each up to its sign."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  auto = jax.sharding.AxisType.Auto
+  shape = (devices,) if len(names) == 1 else (2, 4)
+  axis = ("x",) if len(names) == 1 else ("a", "b")
+  mesh = jax.make_mesh(shape, axis, axis_types=(auto,) * len(shape),
+                       devices=jax.devices()[:devices])
+  a = _arrays((8 * devices, 6), seed=3)[0]
+  fn = jax.jit(jax.shard_map(lambda x: linalg.split_left_singular(x, names), mesh=mesh,
+                             in_specs=P(names, None), out_specs=P(names, None),
+                             check_vma=False))
+  got = np.asarray(fn(a))
+  want = np.linalg.svd(np.asarray(a, np.float64), full_matrices=False)[0]
+  np.testing.assert_allclose(np.abs(np.sum(got * want, axis=0)), 1.0, atol=1e-5)
+  np.testing.assert_allclose(got.T @ got, np.eye(6), atol=1e-5)
+  text = fn.lower(a).compile().as_text()
+  butterfly = devices == 8
+  assert ("collective-permute" in text) == butterfly
+  assert ("all-gather" in text) != butterfly

@@ -1136,7 +1136,7 @@ def rows_in_place(shapes: list, ranks: list) -> list:
   memory: Alice-SOAP's at the 60M LLaMA's shapes under FSDP kept the update's temporary
   memory at 0.64x of the parameter bytes on 8 CPU devices and 0.58x on 32, most of it
   whole 32000 x 128 arrays; with the output layer's refreshed in place (its first
-  refresh's SVD by a tall-skinny QR, ``linalg.split_left_singular``), 0.20x and 0.11x,
+  refresh's SVD by a tall-skinny QR, ``linalg.split_left_singular``), 0.20x and 0.097x,
   and a refresh step sends 0.29x and 0.22x instead of 0.43x and 0.42x. Every stack in
   place sent more (0.62x on 32 devices): ten ``r x r`` sums per matrix outweigh moving a
   small one."""
