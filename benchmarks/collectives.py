@@ -297,17 +297,22 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
 OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh"}
 
 
-def _default_owner_layout(name: str):
-  """The named optimizer's own ``owner_layout`` default."""
+def _keywords(name: str) -> dict:
+  """The keyword parameters of the library's named optimizer ``name`` (none for optax's)."""
   import inspect
   import fisher_optax as fo
   fn = getattr(fo, {"fo_muon": "muon"}.get(name, name), None)
-  if fn is None:
-    return "auto"
-  return inspect.signature(fn).parameters["owner_layout"].default
+  return {} if fn is None else dict(inspect.signature(fn).parameters)
 
 
-def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs=None):
+def _default_owner_layout(name: str):
+  """The named optimizer's own ``owner_layout`` default."""
+  param = _keywords(name).get("owner_layout")
+  return "auto" if param is None else param.default
+
+
+def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs=None,
+          max_precond_dim: int | None = None):
   """The LLaMA example's optimizer ``name`` for ``preset`` (``muon`` is
   ``optax.contrib.muon``, ``fo_muon`` the library's), the library's in the per-leaf
   layout (``stack_matrices=False``) with ``owner_layout`` as ``owner`` says (``default``:
@@ -315,7 +320,8 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
   family keeps its state in the owner layout across steps). ``param_specs``: the
   parameters' specs, given to the owner layout (``fo.OwnerLayout(param_specs=...,
   state_placed=True)``: the state is placed as ``fo.state_shardings`` places it on the
-  mesh) wherever it is on."""
+  mesh) wherever it is on. ``max_precond_dim``: the rotation family's largest rotated
+  side, for the optimizers that take it (the named optimizer's default otherwise)."""
   import fisher_optax as fo
   from benchmarks import step_time
   kw = {}
@@ -334,7 +340,10 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
                                state_placed=True)
     if setting is not None:
       kw["owner_layout"] = setting
+    if max_precond_dim is not None and "max_precond_dim" in _keywords(name):
+      kw["max_precond_dim"] = max_precond_dim
   return step_time.build(name, preset, 1e-3, **kw)
+
 
 
 def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
@@ -362,7 +371,8 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
 
 
 def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
-            repeats: int = 0, top: int = 0, axis_types: str = "auto") -> dict:
+            repeats: int = 0, top: int = 0, axis_types: str = "auto",
+            max_precond_dim: int | None = None) -> dict:
   """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
   collectives, temporary memory, each also as a ratio to the parameter bytes."""
   import jax
@@ -374,7 +384,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   mesh = make_mesh(layout, devices, axis_types)
   specs = layout_specs(params, layout, devices)
   with jax.set_mesh(mesh):  # built under the mesh, as a sharded program is set up
-    tx = build(name, preset, owner, mesh, specs if axis_types == "given" else None)
+    tx = build(name, preset, owner, mesh, specs if axis_types == "given" else None,
+               max_precond_dim)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   s_sh = fo.state_shardings(tx, params, specs, mesh)
@@ -396,8 +407,11 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                         s_sh, is_leaf=lambda z: isinstance(z, NamedSharding))))
   seconds = (time_update(compiled, params, state, p_sh, s_sh, repeats) if repeats
              else None)
+  extra = ({} if max_precond_dim is None or "max_precond_dim" not in _keywords(name)
+           else dict(max_precond_dim=max_precond_dim))
   return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
-              owner_layout=owner, axis_types=axis_types, param_bytes=param_bytes, update_seconds=seconds,
+              owner_layout=owner, axis_types=axis_types, **extra, param_bytes=param_bytes,
+              update_seconds=seconds,
               ordinary_bytes=ordinary.total, refresh_bytes=refresh.total,
               ordinary_ratio=ordinary.total / param_bytes,
               refresh_ratio=refresh.total / param_bytes,
@@ -484,6 +498,9 @@ def main(argv=None):
                        "gradients' types), or Auto with the parameters' specs given to "
                        "the owner layout (fo.OwnerLayout(param_specs=..., "
                        "state_placed=True))")
+  ap.add_argument("--max-precond-dim", type=int, default=None, metavar="N",
+                  help="the rotation family's largest rotated side (SOAP, Shampoo, "
+                       "Eigen-Adam: max_precond_dim; each optimizer's default otherwise)")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
@@ -508,7 +525,7 @@ def main(argv=None):
     try:
       r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
            else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
-                        args.time, args.top, args.axis_types))
+                        args.time, args.top, args.axis_types, args.max_precond_dim))
     except Exception as e:  # noqa: BLE001 - JAX's ShardingTypeError is not public
       if type(e).__name__ != "ShardingTypeError":
         raise

@@ -116,6 +116,23 @@ def test_collectives_script_runs_on_tiny(tmp_path):
   assert rows["galore"]["loops_without_trip_count"] >= 1
 
 
+def test_max_precond_dim_reaches_the_rotation_family_only():
+  """``--max-precond-dim``: SOAP's 2048-wide side (the ``tiny`` LLaMA's vocabulary) keeps
+  no 2048 x 2048 statistic at 1024, and does at its default; an optimizer without the
+  keyword is built as before."""
+  from benchmarks import step_time
+  params, _ = step_time.abstract_params("tiny")
+
+  def squares(tx):  # the sizes of the state's square matrices
+    return {x.shape[-1] for x in jax.tree.leaves(jax.eval_shape(tx.init, params))
+            if x.ndim >= 2 and x.shape[-1] == x.shape[-2]}
+
+  assert 2048 in squares(C.build("soap", "tiny", "off"))
+  assert max(squares(C.build("soap", "tiny", "off", max_precond_dim=1024))) <= 1024
+  assert "max_precond_dim" not in C._keywords("galore")
+  C.build("galore", "tiny", "off", max_precond_dim=1024)  # not passed to GaLore
+
+
 @pytest.mark.example
 def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
   """The script with ``--axis-types explicit`` under FSDP x TP on 4 devices: the library's
