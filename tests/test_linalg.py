@@ -110,3 +110,28 @@ def test_split_left_singular_butterfly_and_gathered_give_the_singular_vectors(de
   butterfly = devices == 8
   assert ("collective-permute" in text) == butterfly
   assert ("all-gather" in text) != butterfly
+
+
+def test_split_left_singular_on_zero_tiny_huge_and_nan_blocks():
+  """The butterfly over 8 devices: a zero matrix gives finite orthonormal columns,
+  entries scaled by 1e-30 or 1e30 the unscaled matrix's singular vectors (each up to its
+  sign), and a NaN in one device's block NaN on every device, which the refresh's
+  finite guard then replaces by the previous basis."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:8])
+  fn = jax.jit(jax.shard_map(lambda x: linalg.split_left_singular(x, ("x",)), mesh=mesh,
+                             in_specs=P("x", None), out_specs=P("x", None),
+                             check_vma=False))
+  a = np.array(_arrays((64, 6), seed=4)[0])
+  zero = np.asarray(fn(jnp.zeros_like(a)))
+  assert np.isfinite(zero).all()
+  np.testing.assert_allclose(zero.T @ zero, np.eye(6), atol=1e-6)
+  want = np.linalg.svd(a.astype(np.float64), full_matrices=False)[0]
+  for scale in (1e-30, 1e30):
+    got = np.asarray(fn(jnp.asarray(a * scale, jnp.float32)))
+    np.testing.assert_allclose(np.abs(np.sum(got * want, axis=0)), 1.0, atol=1e-5,
+                               err_msg=str(scale))
+  a[5, 2] = np.nan
+  assert np.isnan(np.asarray(fn(jnp.asarray(a)))).all()
