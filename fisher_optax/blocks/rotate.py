@@ -295,13 +295,28 @@ class _Rotation:
 
   def refresh_all(self, lifted, st, bases, eigs, inner_state, first, do_refresh):
     """One ``lax.switch`` (keep / eigh / power-QR) holds every refresh of the tree, so
-    ordinary steps do no basis arithmetic."""
-    branches = [lambda ops: ops[1:], lambda ops: self.refreshed(lifted, True, ops)]
+    ordinary steps do no basis arithmetic.
+
+    The keep branch returns zeros in place of the bases and eigenvalues, and the old ones
+    are selected after the switch. A keep branch that returned them made XLA copy each
+    basis into the conditional's operands on every step (Shampoo's update, temporary
+    memory per device over the parameter bytes: ``tiny`` on 8 devices 7.2x -> 3.7x,
+    ``60M`` FSDP on 32 devices 0.099x -> 0.077x)."""
+    def split(use_eigh):
+      def run(ops):
+        new_bases, new_eigs, new_inner = self.refreshed(lifted, use_eigh, ops)
+        return (new_bases, new_eigs), new_inner
+      return run
+
+    branches = [lambda ops: (jax.tree.map(jnp.zeros_like, ops[1:3]), ops[3]), split(True)]
     which = jnp.where(do_refresh, 1, 0)
     if self.refresh == "power_qr":
-      branches.append(lambda ops: self.refreshed(lifted, False, ops))
+      branches.append(split(False))
       which = jnp.where(do_refresh, jnp.where(first, 1, 2), 0)
-    return jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
+    new, inner_state = jax.lax.switch(which, branches, (st, bases, eigs, inner_state))
+    new_bases, new_eigs = jax.tree.map(lambda n, o: jnp.where(which > 0, n, o), new,
+                                       (bases, eigs))
+    return new_bases, new_eigs, inner_state
 
   def refreshed(self, lifted, use_eigh, ops):
     """New bases (+ eigenvalues) and the inner state moved to them."""
