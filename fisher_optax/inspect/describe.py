@@ -156,6 +156,13 @@ def describe(tx: Any, params: Any) -> Description:
   rows = [_row(key, tuple(np.shape(x)), seen.get(key), n, notes, default="other",
                own=o)
           for (_, x), key, n, o in zip(flat, paths, counts, own)]
+  return Description(tuple(rows), "; ".join(notes + _table_notes(rows, bool(found))))
+
+
+def _table_notes(rows: list, found: bool) -> list:
+  """The notes on the whole table: unclassified leaves, leaves no named optimizer
+  receives, embedding tables and where they went, state above Adam's."""
+  notes = []
   unclassified = [r for r in rows if r.unclassified]
   if unclassified:
     shown = "; ".join(f"{r.path}: {r.unclassified}" for r in unclassified[:3])
@@ -178,7 +185,7 @@ def describe(tx: Any, params: Any) -> Description:
                  "matrix under a rank clipped to its side, or a full-matrix preconditioner "
                  "(SOAP, Shampoo, Eigen-Adam) by design; a lower rank, or mask= sending it "
                  "to the fallback, saves memory")
-  return Description(tuple(rows), "; ".join(notes))
+  return notes
 
 
 def _own_numbers(found: list, flat: list, paths: list) -> list:
