@@ -372,9 +372,12 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
 
 def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
             repeats: int = 0, top: int = 0, axis_types: str = "auto",
-            max_precond_dim: int | None = None) -> dict:
+            max_precond_dim: int | None = None, donate: bool = False) -> dict:
   """One optimizer's update: bytes sent per device on an ordinary and a refresh step,
-  collectives, temporary memory, each also as a ratio to the parameter bytes."""
+  collectives, temporary memory, each also as a ratio to the parameter bytes.
+  ``donate``: the state donated to the update (``donate_argnums``), as the LLaMA
+  example's training step donates it; the new state then takes the old one's buffers,
+  and what XLA needs beside them shows as temporary memory."""
   import jax
   from jax.sharding import NamedSharding
   import fisher_optax as fo
@@ -392,7 +395,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   state = jax.eval_shape(tx.init, params)
   with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
-  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+  step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh),
+                 donate_argnums=(1,) if donate else ())
   with jax.set_mesh(mesh):  # the context mesh, as a sharded program runs
     compiled = step.lower(with_sh(params, p_sh), with_sh(state, s_sh),
                           with_sh(params, p_sh)).compile()
@@ -409,6 +413,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
              else None)
   extra = ({} if max_precond_dim is None or "max_precond_dim" not in _keywords(name)
            else dict(max_precond_dim=max_precond_dim))
+  if donate:  # the bytes of the state whose buffers the new state takes over
+    extra.update(donated=True, alias_bytes=compiled.memory_analysis().alias_size_in_bytes)
   return dict(optimizer=name, preset=preset, layout=layout, devices=devices,
               owner_layout=owner, axis_types=axis_types, **extra, param_bytes=param_bytes,
               update_seconds=seconds,
@@ -501,6 +507,10 @@ def main(argv=None):
   ap.add_argument("--max-precond-dim", type=int, default=None, metavar="N",
                   help="the rotation family's largest rotated side (SOAP, Shampoo, "
                        "Eigen-Adam: max_precond_dim; each optimizer's default otherwise)")
+  ap.add_argument("--donate", action="store_true",
+                  help="donate the state to the update, as the LLaMA example's training "
+                       "step does (the temporary memory is then what XLA needs beside the "
+                       "state's own buffers)")
   ap.add_argument("--json", default=None, help="write the rows to this file")
   ap.add_argument("--no-train-step", action="store_true",
                   help="leave out the yardstick (the LLaMA example's FSDP gradient step)")
@@ -525,7 +535,8 @@ def main(argv=None):
     try:
       r = (measure_train_step(args.preset, args.layout, args.devices) if name == "train_step"
            else measure(name, args.preset, args.layout, args.devices, args.owner_layout,
-                        args.time, args.top, args.axis_types, args.max_precond_dim))
+                        args.time, args.top, args.axis_types, args.max_precond_dim,
+                        args.donate))
     except Exception as e:  # noqa: BLE001 - JAX's ShardingTypeError is not public
       if type(e).__name__ != "ShardingTypeError":
         raise

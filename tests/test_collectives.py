@@ -116,6 +116,16 @@ def test_collectives_script_runs_on_tiny(tmp_path):
   assert rows["galore"]["loops_without_trip_count"] >= 1
 
 
+def test_donated_state_takes_over_its_buffers():
+  """``donate=True`` (``--donate``): the update's new state takes the old state's buffers,
+  all of them (Adam's two moments and its count, on one device); without it, none."""
+  from benchmarks import collectives
+  donated = collectives.measure("adam", "tiny", "dp", 1, donate=True)
+  kept = collectives.measure("adam", "tiny", "dp", 1)
+  assert donated["donated"] and "donated" not in kept
+  assert donated["alias_bytes"] == donated["state_bytes_per_device"] > 0
+
+
 def test_max_precond_dim_reaches_the_rotation_family_only():
   """``--max-precond-dim``: SOAP's 2048-wide side (the ``tiny`` LLaMA's vocabulary) keeps
   no 2048 x 2048 statistic at 1024, and does at its default; an optimizer without the
