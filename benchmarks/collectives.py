@@ -345,7 +345,6 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
   return step_time.build(name, preset, 1e-3, **kw)
 
 
-
 def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
   """Median seconds of one ordinary step of the compiled update on random arrays laid out
   as its inputs: the state carried from step to step, from a step count of zero (the
