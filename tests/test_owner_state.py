@@ -54,9 +54,9 @@ def _tx(name, owner, equal=False):
                            **ROTATION[name], **(EQUAL.get(name, {}) if equal else {}))
 
 
-def _run(tx, steps, mesh=None, params=None, state=None, start=0):
+def _run(tx, steps, mesh=None, params=None, state=None, start=0, donate=False):
   return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
-                          mesh, state, start)
+                          mesh, state, start, donate)
 
 
 def _close(got, want, what, tol=1e-3):
@@ -89,6 +89,24 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
   for leaf in jax.tree.leaves([o.left for o in owned.values()]):
     assert leaf.shape[0] % 8 == 0
     assert leaf.sharding.spec == P(("fsdp", "tensor")), leaf.sharding
+
+
+@pytest.mark.parametrize("name", ["soap", pytest.param("eigen_adam", marks=pytest.mark.slow),
+                                  pytest.param("shampoo", marks=pytest.mark.slow)])
+def test_donated_state_in_the_owner_layout_gives_the_single_device_updates(name):
+  """The step donating the parameters and the state, as a training step does, so that
+  XLA writes the new state into the old one's buffers through the owners' conditionals
+  (the 16 x 16 matrix has one owner) and the refresh's: 5 steps (refreshes every 2) on
+  the 4 x 2 mesh give the updates of one device, and XLA could use every donated buffer
+  (JAX warns of any it could not)."""
+  import warnings
+  mesh = _mesh()
+  want, _ = _run(_tx(name, False, equal=True), 5)
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*donated buffers were not usable")
+    got, state = _run(_tx(name, mesh, equal=True), 5, mesh, donate=True)
+  _close(got, want, f"{name}, donated state on the mesh")
+  assert isinstance(_rotation_state(state), fo.RotateOwnedState)
 
 
 def _rotation_state(state):

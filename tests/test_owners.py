@@ -48,9 +48,9 @@ def _mesh(explicit=False, data=False):
   return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
 
 
-def _run(tx, steps, mesh=None, params=None, state=None, start=0):
+def _run(tx, steps, mesh=None, params=None, state=None, start=0, donate=False):
   return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
-                          mesh, state, start)
+                          mesh, state, start, donate)
 
 
 def _close(got, want, what, tol=1e-3):
@@ -73,6 +73,23 @@ def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
   _close(sharded, single, name)
   spec = (jax.typeof(sharded["w"]).sharding.spec if explicit else sharded["w"].sharding.spec)
   assert spec == SPECS["w"]
+
+
+@pytest.mark.parametrize("name", registry.params(ON_BY_DEFAULT, default=["galore"]))
+def test_donated_state_under_the_owner_layout_gives_the_single_device_updates(name):
+  """The step donating the parameters and the state, as a training step does (XLA writes
+  the new state into the old one's buffers, through the refresh's conditional): 4 steps
+  (refreshes at 1 and 3 where the optimizer has them) under ``jax.set_mesh`` give the
+  updates of one device, and XLA could use every donated buffer (JAX warns of any it
+  could not)."""
+  import warnings
+  tx = _tx(name)
+  single, _ = _run(tx, 4)
+  mesh = _mesh()
+  with jax.set_mesh(mesh), warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*donated buffers were not usable")
+    sharded, _ = _run(tx, 4, mesh, donate=True)
+  _close(sharded, single, name)
 
 
 @pytest.mark.slow

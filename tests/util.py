@@ -133,10 +133,12 @@ def grads_at(params, t):
       params)
 
 
-def run_sharded(tx, params, grads, specs, steps, mesh=None, state=None, start=0):
+def run_sharded(tx, params, grads, specs, steps, mesh=None, state=None, start=0,
+                donate=False):
   """``steps`` jitted steps of ``tx`` from ``params`` (``grads(t)``: the gradients of step
   ``t``); with a ``mesh``, the parameters, gradients and state laid out by ``specs`` and
-  ``fo.state_shardings``, which the step's outputs keep. Returns the parameters and
+  ``fo.state_shardings``, which the step's outputs keep; ``donate``: the step donates
+  the parameters and the state, as a training step does. Returns the parameters and
   state."""
   import optax
   from jax.sharding import NamedSharding
@@ -156,7 +158,8 @@ def run_sharded(tx, params, grads, specs, steps, mesh=None, state=None, start=0)
     params = jax.device_put(params, p_sh)
     state = (jax.jit(tx.init, out_shardings=s_sh)(params) if state is None
              else jax.device_put(state, s_sh))
-    step = jax.jit(apply, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    step = jax.jit(apply, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh),
+                   donate_argnums=(0, 1) if donate else ())
     place = lambda g: jax.device_put(g, p_sh)  # noqa: E731
   for t in range(start, start + steps):
     params, state = step(params, state, place(grads(t)))
