@@ -93,13 +93,22 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
 
 @pytest.mark.parametrize("name", ["soap", pytest.param("eigen_adam", marks=pytest.mark.slow),
                                   pytest.param("shampoo", marks=pytest.mark.slow)])
-def test_donated_state_in_the_owner_layout_gives_the_single_device_updates(name):
+def test_donated_state_in_the_owner_layout_gives_the_single_device_updates(name,
+                                                                           monkeypatch):
   """The step donating the parameters and the state, as a training step does, so that
   XLA writes the new state into the old one's buffers through the owners' conditionals
-  (the 16 x 16 matrix has one owner) and the refresh's: 5 steps (refreshes every 2) on
-  the 4 x 2 mesh give the updates of one device, and XLA could use every donated buffer
-  (JAX warns of any it could not)."""
+  (the 16 x 16 matrix has one owner: traced under the conditional, asserted) and the
+  refresh's: 5 steps (refreshes every 2) on the 4 x 2 mesh give the updates of one
+  device, and XLA could use every donated buffer (JAX warns of any it could not)."""
   import warnings
+  under_conditional = []
+  on_owner = owners._on_owner
+
+  def spy(body, g, stack, state, holds):
+    under_conditional.append(holds is not None)
+    return on_owner(body, g, stack, state, holds)
+
+  monkeypatch.setattr(owners, "_on_owner", spy)
   mesh = _mesh()
   want, _ = _run(_tx(name, False, equal=True), 5)
   with jax.set_mesh(mesh), warnings.catch_warnings():
@@ -107,6 +116,7 @@ def test_donated_state_in_the_owner_layout_gives_the_single_device_updates(name)
     got, state = _run(_tx(name, mesh, equal=True), 5, mesh, donate=True)
   _close(got, want, f"{name}, donated state on the mesh")
   assert isinstance(_rotation_state(state), fo.RotateOwnedState)
+  assert any(under_conditional), under_conditional
 
 
 def _rotation_state(state):
