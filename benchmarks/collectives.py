@@ -369,6 +369,30 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
   return float(np.median(times))
 
 
+def _boxed_init(tx, params, specs, mesh) -> tuple:
+  """``init`` of the parameters in boxes named by their specs (Linen's
+  ``nn.Partitioned``, as ``nn.with_partitioning`` makes them; NNX's
+  ``nnx.with_partitioning`` names its ``nnx.Variable`` s alike), under the mesh, as the
+  Flax recipes call it: the abstract state and the shardings of the names its own boxes
+  carry."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+  from flax.core import meta
+  from fisher_optax.parallel import variables
+  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+  flat, treedef = jax.tree.flatten(params)
+  boxed = treedef.unflatten([
+      meta.Partitioned(x, names=tuple(s) + (None,) * (len(x.shape) - len(s)))
+      for x, s in zip(flat, jax.tree.leaves(specs, is_leaf=is_spec))])
+  with jax.set_mesh(mesh):
+    named = jax.eval_shape(tx.init, boxed)
+  is_box = lambda x: isinstance(x, meta.Partitioned)  # noqa: E731
+  shardings = jax.tree.map(
+      lambda x: NamedSharding(mesh, PartitionSpec(*x.names) if is_box(x) else PartitionSpec()),
+      named, is_leaf=is_box)
+  return variables.unwrap(named), shardings
+
+
 def measure(name: str, preset: str, layout: str, devices: int, owner: str = "default",
             repeats: int = 0, top: int = 0, axis_types: str = "auto",
             max_precond_dim: int | None = None, donate: bool = False) -> dict:
@@ -390,8 +414,11 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                max_precond_dim)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  s_sh = fo.state_shardings(tx, params, specs, mesh)
-  state = jax.eval_shape(tx.init, params)
+  if axis_types == "boxes":
+    state, s_sh = _boxed_init(tx, params, specs, mesh)
+  else:
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    state = jax.eval_shape(tx.init, params)
   with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
   step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh),
@@ -496,13 +523,16 @@ def main(argv=None):
                   help="also list each update's N largest sources of traffic on an "
                        "ordinary and a refresh step: the JAX operation (op_name) that "
                        "issued each collective, with its bytes / parameter bytes")
-  ap.add_argument("--axis-types", default="auto", choices=("auto", "explicit", "given"),
+  ap.add_argument("--axis-types", default="auto",
+                  choices=("auto", "explicit", "given", "boxes"),
                   help="the mesh's axis types: Auto (jax.sharding.Mesh's default; the "
                        "owner layout guesses each matrix's split from its shape), "
                        "Explicit (jax.make_mesh's default; it reads the split from the "
-                       "gradients' types), or Auto with the parameters' specs given to "
+                       "gradients' types), Auto with the parameters' specs given to "
                        "the owner layout (fo.OwnerLayout(param_specs=..., "
-                       "state_placed=True))")
+                       "state_placed=True)), or Auto with init given the parameters in "
+                       "boxes named by their specs, as the Flax recipes give them (the "
+                       "state laid out by its boxes' names)")
   ap.add_argument("--max-precond-dim", type=int, default=None, metavar="N",
                   help="the rotation family's largest rotated side (SOAP, Shampoo, "
                        "Eigen-Adam: max_precond_dim; each optimizer's default otherwise)")
@@ -520,7 +550,8 @@ def main(argv=None):
   sys.path.insert(0, str(ROOT))
   rows = []
   axes = {"auto": "Auto axes", "explicit": "Explicit axes",
-          "given": "Auto axes, specs given"}[args.axis_types]
+          "given": "Auto axes, specs given",
+          "boxes": "Auto axes, parameters in named boxes"}[args.axis_types]
   print(f"{args.preset}, {args.layout}, {args.devices} devices, {axes}, "
         f"owner layout {args.owner_layout}: bytes sent per device per update / parameter bytes")
   print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7} "

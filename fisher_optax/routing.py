@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax.lifting import cast_like
-from fisher_optax.parallel import variables
+from fisher_optax.parallel import owners, variables
 from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, Unclassified,
                                    check_prefix, is_matrix_shape, normalize_axes, path_to_str)
 from fisher_optax.model_dims import as_dims, resolve_dims
@@ -297,7 +297,10 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   def init(params):
     if variables.has_variables(params):  # nnx.Optimizer: state leaves named by their shape
       pure = variables.unwrap(params)
-      return variables.name_state(out, init_arrays(pure, 4), params, pure, dims)
+      # the owner layout reads each matrix's split from its box's names
+      with owners.reading_boxes(pure, *variables.box_specs(params)):
+        state = init_arrays(pure, 4)
+      return variables.name_state(out, state, params, pure, dims)
     return init_arrays(params, 4)
 
   def init_arrays(params, stacklevel):

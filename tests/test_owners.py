@@ -2,6 +2,8 @@
 gives the single-device updates, sends less, and changes nothing without a mesh that
 shards the matrices."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,6 +257,86 @@ def test_row_and_column_parallel_matrices_travel_from_their_own_split():
   guessed = sent(muon(), _mesh())
   assert read.collectives == given.collectives == 2, (read.sent, given.sent)
   assert read.total == given.total < guessed.total, (read.total, given.total, guessed.total)
+
+
+def _boxed(params, names):
+  """``params`` in Linen's ``nn.Partitioned`` boxes named ``names`` (as
+  ``nn.with_partitioning`` makes them; ``nnx.with_partitioning`` names alike)."""
+  from flax.core import meta
+  return {k: meta.Partitioned(v, names=tuple(names[k]) + (None,) * (v.ndim - len(names[k])))
+          for k, v in params.items()}
+
+
+def test_the_split_the_boxes_given_to_init_name_is_read():
+  """The Flax recipes give ``init`` the parameters in boxes named by mesh axes: on
+  ``Auto`` axes the owner layout then reads each matrix's split from those names, and
+  Muon's update of row- and column-parallel matrices of one shape is the two packed
+  exchanges, as with the specs given. Boxes named by logical axes (which need rules) are
+  not read: the split is guessed, and XLA moves the row-parallel ones once more."""
+  from benchmarks import collectives as bench
+  specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
+           "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
+  shapes = {"a": (16, 32), "b": (16, 32), "c": (3, 16, 32), "d": (16, 32)}
+  logical = {"a": ("embed", "mlp"), "b": ("mlp", "embed"), "c": (None, "mlp", "embed"),
+             "d": ("embed", "mlp")}
+  params = util.random_tree(shapes, 0, 0.1)
+  mesh = _mesh()
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  shaped = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, z: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=z), t, sh)
+  muon = lambda **kw: fo.muon(0.01, dims={k: fo.MatrixDims() for k in shapes},  # noqa: E731
+                              stack_matrices=False, **kw)
+
+  def sent(tx, names=None):
+    if names is None:  # the state laid out by the names its own boxes carry
+      state, s_sh = bench._boxed_init(tx, params, specs, mesh)
+    else:
+      with jax.set_mesh(mesh):
+        tx.init(_boxed(params, names))
+      state, s_sh = jax.eval_shape(tx.init, params), fo.state_shardings(tx, params, specs, mesh)
+    step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    with jax.set_mesh(mesh):
+      text = step.lower(shaped(params, p_sh), shaped(state, s_sh),
+                        shaped(params, p_sh)).compile().as_text()
+    return collectives.traffic(text, 8, refresh=False)[0]
+
+  boxed = sent(muon())
+  given = sent(muon(owner_layout=fo.OwnerLayout(param_specs=specs)), names=specs)
+  guessed = sent(muon(), names=logical)
+  assert boxed.collectives == given.collectives == 2, (boxed.sent, given.sent)
+  assert boxed.total == given.total < guessed.total, (boxed.total, given.total, guessed.total)
+
+
+def test_boxes_named_on_the_mesh_say_where_the_state_is():
+  """Boxes named by mesh axes under the mesh ``init`` runs on: the state's own boxes then
+  carry ``fo.state_shardings``' names, and the update relies on them as
+  ``OwnerLayout(param_specs=..., state_placed=True)`` does -- GaLore moves a row-split
+  gradient to its columns: the same program, sending less than without that statement.
+  Named without a mesh, the state's layout is not relied on."""
+  from benchmarks import collectives as bench
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
+  state, s_sh = bench._boxed_init(_relay_tx("galore"), params, RELAY_SPECS, auto)
+  want = fo.state_shardings(_relay_tx("galore"), params, RELAY_SPECS, auto)
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, a, b: a.is_equivalent_to(b, x.ndim),
+                                          state, s_sh, want)))
+
+  def program(tx, boxes_mesh):
+    with jax.set_mesh(boxes_mesh) if boxes_mesh is not None else contextlib.nullcontext():
+      tx.init(_boxed(params, RELAY_SPECS))
+    return _relay_program(tx, auto)
+
+  placed = lambda: _relay_tx("galore")  # noqa: E731
+  said = _relay_program(fo.galore(0.01, rank=16, interval=2, stack_matrices=False,
+                                  dims={k: fo.MatrixDims() for k in RELAY_PARAMS},
+                                  owner_layout=fo.OwnerLayout(param_specs=RELAY_SPECS,
+                                                              state_placed=True)), auto)
+  on_mesh = program(placed(), auto)
+  no_mesh = program(placed(), None)
+  moved, unsaid = (collectives.traffic(t, 8, refresh=False)[0] for t in (on_mesh, no_mesh))
+  assert moved.total == collectives.traffic(said, 8, refresh=False)[0].total
+  assert moved.count["all-to-all"] > unsaid.count["all-to-all"], (moved.sent, unsaid.sent)
+  assert moved.total < unsaid.total, (moved.total, unsaid.total)
 
 
 @pytest.mark.slow

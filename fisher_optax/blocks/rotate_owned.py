@@ -183,8 +183,9 @@ def update(rot, updates, state, params=None):
   # all-reduce of d x d, and the rotations and the refresh are local
   # the parameter's own mesh axes on that side first, where the update knows them, as
   # fo.state_shardings lays out the state then
-  majors = [owners.spread_major(g.shape, p) for g, p in zip(here.canonical_grads,
-                                                            here.param_specs)]
+  first = owners.parameter_axes_first()
+  majors = [owners.spread_major(g.shape, p) if first else ()
+            for g, p in zip(here.canonical_grads, here.param_specs)]
   here.canonical_grads = [owners.spread(g, m) for g, m in zip(here.canonical_grads, majors)]
   with owners.using(None):
     out_here, local = rot.step(here, state.local)

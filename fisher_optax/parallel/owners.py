@@ -73,10 +73,12 @@ class OwnerLayout:
       where a gradient's split is not visible while tracing: each matrix then travels
       to and from its owner from the split it has, and a refresh's bases come back
       split as the state keeps them. On ``Explicit`` axes the split is read from each
-      gradient's type and this is not needed. ``None``: a guess per shape (FSDP's split
-      on a mesh of one axis, Megatron's column-parallel one on a mesh of several), which
-      XLA corrects matrix by matrix where it is wrong (one more exchange of that
-      matrix).
+      gradient's type and this is not needed. ``None``: the split named by the boxes
+      the parameters came to ``init`` in, where they name mesh axes (``nnx.Variable`` s
+      of ``nnx.with_partitioning``, Linen's ``nn.with_partitioning``: the Flax recipes);
+      else a guess per shape (FSDP's split on a mesh of one axis, Megatron's
+      column-parallel one on a mesh of several), which XLA corrects matrix by matrix
+      where it is wrong (one more exchange of that matrix).
     guessed: also on where the update must guess the matrices' split on a mesh of
       several axes (``Auto`` axes, tensor parallelism, no ``param_specs``). ``False``
       turns the layout off there: for Alice-SOAP, whose bases are pinned where
@@ -92,7 +94,9 @@ class OwnerLayout:
       ordinary step). Off by default: state placed otherwise (MaxText names it
       without a mesh, and holds the coefficients whole) would be gathered back at every
       step (MaxText's GaLore 0.21x -> 0.44x). On ``Explicit`` axes the state's layout
-      is read from its types and this is not needed.
+      is read from its types and this is not needed; boxes named by mesh axes, given
+      to ``init`` under the mesh, say it themselves (the state's own boxes carry
+      ``fo.state_shardings``' names, by which the Flax recipes lay it out).
   """
   mesh: Any = None
   transport_dtype: Any = None
@@ -114,11 +118,68 @@ class _Active(NamedTuple):
   # the state is placed by fo.state_shardings' rules (OwnerLayout(state_placed=True)):
   # :func:`relay_split`
   held: Optional[dict] = None
+  # whether fo.state_shardings laid the state out knowing the parameters' split, as the
+  # update knows it (:func:`parameter_axes_first`)
+  majors: bool = True
 
 
 # The owner layout of the update being traced (None: off).
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_owner_layout",
                                                          default=None)
+
+
+class _Boxes(NamedTuple):
+  specs: dict  # path -> (the parameter's shape, the PartitionSpec of its box's names)
+  mesh: Any  # the mesh the boxes name (their metadata, or the context mesh), or None
+
+
+# The parameters' boxes while ``init`` of a tree of boxes runs (None: plain arrays).
+_BOXES: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_boxes", default=None)
+
+
+@contextlib.contextmanager
+def reading_boxes(params: Any, specs: Any, mesh: Any):
+  """Runs ``init`` of the plain arrays ``params`` whose boxes (``nnx.Variable``, Linen's
+  ``nn.Partitioned``) named them ``specs`` (a tree of ``PartitionSpec`` s, ``None`` where
+  a box has no names) on ``mesh`` (``None``: not known): the owner layouts that ``init``
+  reaches record them (:func:`owner_layout`)."""
+  keys, leaves = _keyed_leaves(params)
+  shapes = {k: tuple(jnp.shape(x)) for k, x in zip(keys, leaves)}
+  token = _BOXES.set(_Boxes({k: (shapes[k], sp) for k, sp in path_specs(specs).items()
+                             if k in shapes}, mesh))
+  try:
+    yield
+  finally:
+    _BOXES.reset(token)
+
+
+def _box_split(boxes: _Boxes, updates: Any, mesh) -> tuple:
+  """``({path: PartitionSpec}, placed)`` of the gradients in ``updates`` whose parameter's
+  box named it with that shape, where every name is an axis of ``mesh`` (mesh axes, as
+  ``nnx.with_partitioning`` gives them; logical names, which need rules, are not read:
+  ``({}, False)``); ``placed``: the boxes named the mesh ``init`` ran on, and it is laid
+  out as ``mesh``, so the state's boxes carry ``fo.state_shardings``' names for it."""
+  out = {}
+  for k, x in zip(*_keyed_leaves(updates)):
+    entry = boxes.specs.get(k)
+    if entry is not None and entry[0] == tuple(jnp.shape(x)):
+      out[k] = entry[1]
+  named = {n for sp in out.values() for e in sp if e is not None
+           for n in (e if isinstance(e, tuple) else (e,))}
+  if not out or not named <= set(mesh.axis_names):
+    return {}, False
+  placed = boxes.mesh is not None and dict(boxes.mesh.shape) == dict(mesh.shape)
+  return out, placed
+
+
+def parameter_axes_first() -> bool:
+  """Whether the update lays a one-sided matrix's unrotated side out over its parameter's
+  own mesh axes first (:func:`spread_major`), as ``fo.state_shardings`` lays out its state
+  where the update knows the split (``Explicit`` axes, ``OwnerLayout(param_specs=...)``);
+  not where the split is read from the boxes given to ``init``, whose state they named
+  by ``fo.state_shardings``' rules without it."""
+  on = _ACTIVE.get()
+  return on is None or on.majors
 
 
 def active() -> Optional[Any]:
@@ -129,13 +190,13 @@ def active() -> Optional[Any]:
 
 @contextlib.contextmanager
 def using(mesh: Optional[Any], transport_dtype: Any = None, specs: Optional[dict] = None,
-          held: Optional[dict] = None):
+          held: Optional[dict] = None, majors: bool = True):
   """Traces the body with the owner layout on ``mesh`` (``None``: off); ``specs``: per
   path (:func:`path_specs`), the gradient's shape and ``PartitionSpec``, where known;
   ``held``: per path, the shapes and specs of its parameter's state arrays, where known
-  (:func:`state_held`)."""
+  (:func:`state_held`); ``majors``: :func:`parameter_axes_first`."""
   token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype, specs,
-                                                        held=held))
+                                                        held=held, majors=majors))
   try:
     yield
   finally:
@@ -272,16 +333,33 @@ def owner_layout(tx, setting: Any = AUTO):
     return tx
 
   given = None if layout.param_specs is None else path_specs(layout.param_specs)
+  # what the parameters' boxes named them at the last ``init`` given boxes (the Flax NNX
+  # and Linen recipes: ``nnx.with_partitioning``), where no specs are given
+  boxed: list = []
+
+  def init_fn(params):
+    found = _BOXES.get()
+    if found is not None and given is None:
+      boxed[:] = [found]
+    return tx.init(params)
 
   def update_fn(updates, state, params=None, **extra):
     mesh = resolve_mesh(layout, updates)
     specs = given
     context = jax.sharding.get_abstract_mesh()
     held = None
+    majors = True
     if mesh is not None and not context.empty and context.explicit_axes:
       # the context mesh's Explicit axes: each gradient's split is part of its type
       specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
       held = state_held(state, specs)
+    elif mesh is not None and given is None and boxed:
+      # Auto axes: the split the boxes given to init named; the state is laid out by the
+      # names its own boxes carry (fo.state_shardings' rules) where they named this mesh
+      specs, placed = _box_split(boxed[0], updates, mesh)
+      majors = False
+      if placed:
+        held = state_held(state, specs, placed=True)
     elif mesh is not None and specs and layout.state_placed:
       held = state_held(state, specs, placed=True)
     if specs:  # each with its gradient's shape: a leaf of another shape at that path
@@ -290,10 +368,10 @@ def owner_layout(tx, setting: Any = AUTO):
                for k, x in zip(*_keyed_leaves(updates)) if k in specs}
     if mesh is not None and not specs and not layout.guessed and _split_axes(mesh) > 1:
       mesh = None  # the split would be guessed on a mesh of several axes
-    with using(mesh, layout.transport_dtype, specs, held):
+    with using(mesh, layout.transport_dtype, specs, held, majors):
       return tx.update(updates, state, params, **extra)
 
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _path_key(path) -> str:

@@ -119,6 +119,18 @@ def _named(box: Any, leaf: Any, spec: P) -> Any:
   return type(box).from_metadata(leaf, meta)
 
 
+def box_specs(params: Any) -> tuple:
+  """``(specs, mesh)`` of a tree of boxes: per leaf, the ``PartitionSpec`` of its box's
+  names (``None`` where it has none, or is no box), and the mesh the boxes name (a
+  Variable's ``mesh`` metadata, else the context mesh; ``None`` where neither is set)."""
+  boxes = box_types()
+  is_box = lambda x: isinstance(x, boxes)  # noqa: E731
+  specs = jax.tree.map(lambda x: P(*names(x)) if is_box(x) and names(x) else None,
+                       params, is_leaf=is_box)
+  return specs, _context_mesh([x for x in jax.tree.leaves(params, is_leaf=is_box)
+                               if is_box(x)])
+
+
 def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   """``state`` (``tx.init(pure)``, ``pure`` the values of the boxed tree ``params``)
   with each leaf that belongs to a parameter in a box of that parameter's type and
@@ -128,10 +140,8 @@ def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   boxes = box_types()
   is_box = lambda x: isinstance(x, boxes)  # noqa: E731
   leaves = jax.tree.leaves(params, is_leaf=is_box)
-  specs = jax.tree.map(lambda x: P(*names(x)) if is_box(x) and names(x) else None,
-                       params, is_leaf=is_box)
-  owned = sharding.owned_specs(tx, state, pure, specs, dims=dims,
-                               mesh=_context_mesh([x for x in leaves if is_box(x)]))
+  specs, mesh = box_specs(params)
+  owned = sharding.owned_specs(tx, state, pure, specs, dims=dims, mesh=mesh)
 
   boxed = [x for x in leaves if is_box(x)]
 
