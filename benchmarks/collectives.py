@@ -414,7 +414,7 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                max_precond_dim)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  if axis_types == "boxes":
+  if axis_types == "boxes" and step_time._ours(name):  # optax's own read no boxes
     state, s_sh = _boxed_init(tx, params, specs, mesh)
   else:
     s_sh = fo.state_shardings(tx, params, specs, mesh)

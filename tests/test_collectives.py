@@ -166,6 +166,30 @@ def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
   assert rows["muon"]["error"].startswith("ShardingTypeError"), rows["muon"]
 
 
+@pytest.mark.example
+def test_collectives_script_reads_the_split_from_named_boxes(tmp_path):
+  """The script with ``--axis-types boxes`` under FSDP x TP on 4 devices (``Auto`` axes,
+  ``init`` given the parameters in boxes named by their specs): the library's Muon is its
+  two packed exchanges, as with the split read on ``Explicit`` axes; optax's own Muon,
+  which reads no boxes, is measured as it is."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  from tests.util import HANG_S
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = tmp_path / "rows.json"
+  subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
+                  "tiny", "--devices", "4", "--layout", "fsdp_tp", "--axis-types", "boxes",
+                  "--no-train-step", "--optimizers", "fo_muon,muon", "--json", str(out)],
+                 capture_output=True, text=True, timeout=HANG_S, check=True)
+  rows = {r["optimizer"]: r for r in json.loads(out.read_text())}
+  assert rows["fo_muon"]["axis_types"] == "boxes"
+  assert rows["fo_muon"]["ordinary_collectives"] == 2, rows["fo_muon"]
+  assert rows["muon"]["ordinary_ratio"] > 10 * rows["fo_muon"]["ordinary_ratio"], rows
+
+
 def _largest_collective(text):
   """Bytes of the largest collective result in an HLO text (async starts included)."""
   out = 0
