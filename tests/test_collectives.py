@@ -143,11 +143,9 @@ def test_max_precond_dim_reaches_the_rotation_family_only():
   C.build("galore", "tiny", "off", max_precond_dim=1024)  # not passed to GaLore
 
 
-@pytest.mark.example
-def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
-  """The script with ``--axis-types explicit`` under FSDP x TP on 4 devices: the library's
-  Muon is its two packed exchanges, and ``optax.contrib.muon``, which does not trace
-  there, is a row that says so instead of an error."""
+def _script_rows(tmp_path, axis_types: str) -> dict:
+  """The script's rows for the library's Muon and ``optax.contrib.muon`` under FSDP x TP
+  on 4 devices with ``--axis-types axis_types``, by optimizer."""
   import json
   import pathlib
   import subprocess
@@ -157,10 +155,18 @@ def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
   root = pathlib.Path(__file__).resolve().parents[1]
   out = tmp_path / "rows.json"
   subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
-                  "tiny", "--devices", "4", "--layout", "fsdp_tp", "--axis-types", "explicit",
+                  "tiny", "--devices", "4", "--layout", "fsdp_tp", "--axis-types", axis_types,
                   "--no-train-step", "--optimizers", "fo_muon,muon", "--json", str(out)],
                  capture_output=True, text=True, timeout=HANG_S, check=True)
-  rows = {r["optimizer"]: r for r in json.loads(out.read_text())}
+  return {r["optimizer"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.example
+def test_collectives_script_reads_the_split_on_explicit_axes(tmp_path):
+  """The script with ``--axis-types explicit`` under FSDP x TP on 4 devices: the library's
+  Muon is its two packed exchanges, and ``optax.contrib.muon``, which does not trace
+  there, is a row that says so instead of an error."""
+  rows = _script_rows(tmp_path, "explicit")
   assert rows["fo_muon"]["axis_types"] == "explicit"
   assert rows["fo_muon"]["ordinary_collectives"] == 2, rows["fo_muon"]
   assert rows["muon"]["error"].startswith("ShardingTypeError"), rows["muon"]
@@ -172,19 +178,7 @@ def test_collectives_script_reads_the_split_from_named_boxes(tmp_path):
   ``init`` given the parameters in boxes named by their specs): the library's Muon is its
   two packed exchanges, as with the split read on ``Explicit`` axes; optax's own Muon,
   which reads no boxes, is measured as it is."""
-  import json
-  import pathlib
-  import subprocess
-  import sys
-
-  from tests.util import HANG_S
-  root = pathlib.Path(__file__).resolve().parents[1]
-  out = tmp_path / "rows.json"
-  subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
-                  "tiny", "--devices", "4", "--layout", "fsdp_tp", "--axis-types", "boxes",
-                  "--no-train-step", "--optimizers", "fo_muon,muon", "--json", str(out)],
-                 capture_output=True, text=True, timeout=HANG_S, check=True)
-  rows = {r["optimizer"]: r for r in json.loads(out.read_text())}
+  rows = _script_rows(tmp_path, "boxes")
   assert rows["fo_muon"]["axis_types"] == "boxes"
   assert rows["fo_muon"]["ordinary_collectives"] == 2, rows["fo_muon"]
   assert rows["muon"]["ordinary_ratio"] > 10 * rows["fo_muon"]["ordinary_ratio"], rows
