@@ -316,6 +316,12 @@ def owner_layout(tx, setting: Any = AUTO):
   apply it (their ``owner_layout=``); a chain of blocks built by hand takes it as
   ``fo.owner_layout(optax.chain(...))``.
 
+  Where no ``param_specs`` are given, ``init`` keeps what the boxes the parameters came
+  in named them (a named optimizer's ``init`` of ``nnx.Variable`` s or Linen's
+  ``nn.Partitioned``, as the Flax recipes give them; the last such ``init`` counts): on
+  ``Auto`` mesh axes the update reads each matrix's split there (only names of the
+  mesh's axes). The state ``init`` returns is ``tx``'s all the same.
+
   Args:
     tx: any optax transformation.
     setting: ``"auto"`` (the context mesh when it has several devices and, on
