@@ -297,8 +297,10 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
   def init(params):
     if variables.has_variables(params):  # nnx.Optimizer: state leaves named by their shape
       pure = variables.unwrap(params)
-      # the owner layout reads each matrix's split from its box's names
-      with owners.reading_boxes(pure, *variables.box_specs(params)):
+      # the owner layout reads each matrix's split from its box's names (mesh axes, or
+      # logical names under the logical axis rules in force)
+      specs, mesh = variables.box_specs(params)
+      with owners.reading_boxes(pure, specs, mesh, variables.ruled_specs(specs)):
         state = init_arrays(pure, 4)
       return variables.name_state(out, state, params, pure, dims)
     return init_arrays(params, 4)

@@ -271,8 +271,10 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   """The Flax recipes give ``init`` the parameters in boxes named by mesh axes: on
   ``Auto`` axes the owner layout then reads each matrix's split from those names, and
   Muon's update of row- and column-parallel matrices of one shape is the two packed
-  exchanges, as with the specs given. Boxes named by logical axes (which need rules) are
-  not read: the split is guessed, and XLA moves the row-parallel ones once more."""
+  exchanges, as with the specs given. Boxes named by logical axes are read through the
+  logical axis rules in force at an ``init`` (kept when the same names are initialised
+  again outside them, as MaxText does); with none in force the split is guessed, and XLA
+  moves the row-parallel ones once more."""
   from benchmarks import collectives as bench
   specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
            "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
@@ -305,6 +307,13 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   guessed = sent(muon(), names=logical)
   assert boxed.collectives == given.collectives == 2, (boxed.sent, given.sent)
   assert boxed.total == given.total < guessed.total, (boxed.total, given.total, guessed.total)
+  # logical names with their rules in force at an init (MaxText initialises under them,
+  # and again outside them): read through the rules
+  import flax.linen as nn
+  tx = muon()
+  with nn.logical_axis_rules((("embed", "fsdp"), ("mlp", "tensor"))):
+    tx.init(_boxed(params, logical))
+  assert sent(tx, names=logical).total == given.total
 
 
 def test_boxes_named_on_the_mesh_say_where_the_state_is():

@@ -75,7 +75,8 @@ class OwnerLayout:
       split as the state keeps them. On ``Explicit`` axes the split is read from each
       gradient's type and this is not needed. ``None``: the split named by the boxes
       the parameters came to ``init`` in, where they name mesh axes (``nnx.Variable`` s
-      of ``nnx.with_partitioning``, Linen's ``nn.with_partitioning``: the Flax recipes);
+      of ``nnx.with_partitioning``, Linen's ``nn.with_partitioning``: the Flax recipes)
+      or logical axes under logical axis rules in force at ``init`` (MaxText's);
       else a guess per shape (FSDP's split on a mesh of one axis, Megatron's
       column-parallel one on a mesh of several), which XLA corrects matrix by matrix
       where it is wrong (one more exchange of that matrix).
@@ -131,6 +132,9 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_owner_lay
 class _Boxes(NamedTuple):
   specs: dict  # path -> (the parameter's shape, the PartitionSpec of its box's names)
   mesh: Any  # the mesh the boxes name (their metadata, or the context mesh), or None
+  # path -> (shape, PartitionSpec) of those names mapped to mesh axes by the logical axis
+  # rules in force at init, or None where none were
+  ruled: Optional[dict] = None
 
 
 # The parameters' boxes while ``init`` of a tree of boxes runs (None: plain arrays).
@@ -138,15 +142,17 @@ _BOXES: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_boxes", de
 
 
 @contextlib.contextmanager
-def reading_boxes(params: Any, specs: Any, mesh: Any):
+def reading_boxes(params: Any, specs: Any, mesh: Any, ruled: Any = None):
   """Runs ``init`` of the plain arrays ``params`` whose boxes (``nnx.Variable``, Linen's
   ``nn.Partitioned``) named them ``specs`` (a tree of ``PartitionSpec`` s, ``None`` where
-  a box has no names) on ``mesh`` (``None``: not known): the owner layouts that ``init``
-  reaches record them (:func:`owner_layout`)."""
+  a box has no names) on ``mesh`` (``None``: not known); ``ruled``: those names mapped to
+  mesh axes by the logical axis rules in force (``None``: no rules). The owner layouts
+  that ``init`` reaches record them (:func:`owner_layout`)."""
   keys, leaves = _keyed_leaves(params)
   shapes = {k: tuple(jnp.shape(x)) for k, x in zip(keys, leaves)}
-  token = _BOXES.set(_Boxes({k: (shapes[k], sp) for k, sp in path_specs(specs).items()
-                             if k in shapes}, mesh))
+  keyed = lambda tree: {k: (shapes[k], sp) for k, sp in path_specs(tree).items()  # noqa: E731
+                        if k in shapes}
+  token = _BOXES.set(_Boxes(keyed(specs), mesh, None if ruled is None else keyed(ruled)))
   try:
     yield
   finally:
@@ -156,20 +162,25 @@ def reading_boxes(params: Any, specs: Any, mesh: Any):
 def _box_split(boxes: _Boxes, updates: Any, mesh) -> tuple:
   """``({path: PartitionSpec}, placed)`` of the gradients in ``updates`` whose parameter's
   box named it with that shape, where every name is an axis of ``mesh`` (mesh axes, as
-  ``nnx.with_partitioning`` gives them; logical names, which need rules, are not read:
-  ``({}, False)``); ``placed``: the boxes named the mesh ``init`` ran on, and it is laid
-  out as ``mesh``, so the state's boxes carry ``fo.state_shardings``' names for it."""
-  out = {}
-  for k, x in zip(*_keyed_leaves(updates)):
-    entry = boxes.specs.get(k)
-    if entry is not None and entry[0] == tuple(jnp.shape(x)):
-      out[k] = entry[1]
-  named = {n for sp in out.values() for e in sp if e is not None
-           for n in (e if isinstance(e, tuple) else (e,))}
-  if not out or not named <= set(mesh.axis_names):
-    return {}, False
-  placed = boxes.mesh is not None and dict(boxes.mesh.shape) == dict(mesh.shape)
-  return out, placed
+  ``nnx.with_partitioning`` gives them), else where the names mapped by the logical axis
+  rules in force at ``init`` are (MaxText's); else ``({}, False)``. ``placed``: the boxes
+  named mesh axes of the mesh ``init`` ran on, laid out as ``mesh``, so that the state's
+  boxes carry ``fo.state_shardings``' names for it."""
+  def read(table):
+    out = {}
+    for k, x in zip(*_keyed_leaves(updates)):
+      entry = table.get(k)
+      if entry is not None and entry[0] == tuple(jnp.shape(x)):
+        out[k] = entry[1]
+    named = {n for sp in out.values() for e in sp if e is not None
+             for n in (e if isinstance(e, tuple) else (e,))}
+    return out if out and named <= set(mesh.axis_names) else {}
+
+  out = read(boxes.specs)
+  if out:
+    placed = boxes.mesh is not None and dict(boxes.mesh.shape) == dict(mesh.shape)
+    return out, placed
+  return (read(boxes.ruled), False) if boxes.ruled is not None else ({}, False)
 
 
 def parameter_axes_first() -> bool:
@@ -318,9 +329,11 @@ def owner_layout(tx, setting: Any = AUTO):
 
   Where no ``param_specs`` are given, ``init`` keeps what the boxes the parameters came
   in named them (a named optimizer's ``init`` of ``nnx.Variable`` s or Linen's
-  ``nn.Partitioned``, as the Flax recipes give them; the last such ``init`` counts): on
-  ``Auto`` mesh axes the update reads each matrix's split there (only names of the
-  mesh's axes). The state ``init`` returns is ``tx``'s all the same.
+  ``nn.Partitioned``, as the Flax recipes give them; the last such ``init`` counts), and
+  those names mapped by the logical axis rules in force (``nn.logical_axis_rules``; kept
+  when the same names are initialised again outside them): on ``Auto`` mesh axes the
+  update reads each matrix's split there, where the names, else the mapped ones, are
+  axes of the mesh. The state ``init`` returns is ``tx``'s all the same.
 
   Args:
     tx: any optax transformation.
@@ -346,6 +359,9 @@ def owner_layout(tx, setting: Any = AUTO):
   def init_fn(params):
     found = _BOXES.get()
     if found is not None and given is None:
+      if found.ruled is None and boxed and boxed[0].specs == found.specs:
+        # the same names, initialised again outside the rules (MaxText does both)
+        found = found._replace(ruled=boxed[0].ruled)
       boxed[:] = [found]
     return tx.init(params)
 

@@ -131,6 +131,20 @@ def box_specs(params: Any) -> tuple:
                                if is_box(x)])
 
 
+def ruled_specs(specs: Any) -> Optional[Any]:
+  """``specs`` (a tree of ``PartitionSpec`` s of logical names) mapped to mesh axes by the
+  logical axis rules in force (Flax's ``nn.logical_axis_rules`` context, as MaxText sets
+  it; a name no rule maps is not split), or ``None`` where no rules are in force."""
+  if "flax" not in sys.modules:
+    return None
+  from flax.linen import spmd
+  rules = spmd.get_logical_axis_rules()
+  if not rules:
+    return None
+  return jax.tree.map(lambda sp: spmd.logical_to_mesh_axes(tuple(sp), rules), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   """``state`` (``tx.init(pure)``, ``pure`` the values of the boxed tree ``params``)
   with each leaf that belongs to a parameter in a box of that parameter's type and
