@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from fisher_optax import linalg
+from fisher_optax.parallel.roles import field_roles
 
 AUTO = "auto"
 
@@ -448,10 +449,7 @@ def state_held(state: Any, specs: dict, placed: bool = False) -> dict:
   them; the longest such path), read from their types (Explicit mesh axes); ``placed``:
   ``[(shape, role), ...]`` instead, each array's role in ``fo.state_shardings``' rules
   (its state's declared ``SHARDING``, else ``"auto"``), for state placed by them."""
-  roles = {}
-  if placed:
-    from fisher_optax.parallel import sharding  # above this module: its rules' roles
-    roles = sharding.field_roles(state)
+  roles = field_roles(state) if placed else {}
   keys = sorted(specs, key=len, reverse=True)
   out: dict = {}
   for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
