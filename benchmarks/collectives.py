@@ -369,23 +369,30 @@ def time_update(compiled, params, state, p_sh, s_sh, repeats: int) -> float:
   return float(np.median(times))
 
 
+def boxed(params, names):
+  """``params`` in Linen's ``nn.Partitioned`` boxes named by ``names`` (a tree of
+  ``PartitionSpec`` s or name tuples of the same structure), as ``nn.with_partitioning``
+  makes them; NNX's ``nnx.with_partitioning`` names its ``nnx.Variable`` s alike."""
+  import jax
+  from jax.sharding import PartitionSpec
+  from flax.core import meta
+  is_names = lambda x: isinstance(x, (PartitionSpec, tuple))  # noqa: E731
+  flat, treedef = jax.tree.flatten(params)
+  return treedef.unflatten([
+      meta.Partitioned(x, names=tuple(s) + (None,) * (len(x.shape) - len(s)))
+      for x, s in zip(flat, jax.tree.leaves(names, is_leaf=is_names))])
+
+
 def _boxed_init(tx, params, specs, mesh) -> tuple:
-  """``init`` of the parameters in boxes named by their specs (Linen's
-  ``nn.Partitioned``, as ``nn.with_partitioning`` makes them; NNX's
-  ``nnx.with_partitioning`` names its ``nnx.Variable`` s alike), under the mesh, as the
-  Flax recipes call it: the abstract state and the shardings of the names its own boxes
-  carry."""
+  """``init`` of the parameters in boxes named by their specs (:func:`boxed`), under the
+  mesh, as the Flax recipes call it: the abstract state and the shardings of the names
+  its own boxes carry."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
   from flax.core import meta
   from fisher_optax.parallel import variables
-  is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-  flat, treedef = jax.tree.flatten(params)
-  boxed = treedef.unflatten([
-      meta.Partitioned(x, names=tuple(s) + (None,) * (len(x.shape) - len(s)))
-      for x, s in zip(flat, jax.tree.leaves(specs, is_leaf=is_spec))])
   with jax.set_mesh(mesh):
-    named = jax.eval_shape(tx.init, boxed)
+    named = jax.eval_shape(tx.init, boxed(params, specs))
   is_box = lambda x: isinstance(x, meta.Partitioned)  # noqa: E731
   shardings = jax.tree.map(
       lambda x: NamedSharding(mesh, PartitionSpec(*x.names) if is_box(x) else PartitionSpec()),

@@ -259,14 +259,6 @@ def test_row_and_column_parallel_matrices_travel_from_their_own_split():
   assert read.total == given.total < guessed.total, (read.total, given.total, guessed.total)
 
 
-def _boxed(params, names):
-  """``params`` in Linen's ``nn.Partitioned`` boxes named ``names`` (as
-  ``nn.with_partitioning`` makes them; ``nnx.with_partitioning`` names alike)."""
-  from flax.core import meta
-  return {k: meta.Partitioned(v, names=tuple(names[k]) + (None,) * (v.ndim - len(names[k])))
-          for k, v in params.items()}
-
-
 def test_the_split_the_boxes_given_to_init_name_is_read():
   """The Flax recipes give ``init`` the parameters in boxes named by mesh axes: on
   ``Auto`` axes the owner layout then reads each matrix's split from those names, and
@@ -294,7 +286,7 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
       state, s_sh = bench._boxed_init(tx, params, specs, mesh)
     else:
       with jax.set_mesh(mesh):
-        tx.init(_boxed(params, names))
+        tx.init(collectives.boxed(params, names))
       state, s_sh = jax.eval_shape(tx.init, params), fo.state_shardings(tx, params, specs, mesh)
     step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
     with jax.set_mesh(mesh):
@@ -312,7 +304,7 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   import flax.linen as nn
   tx = muon()
   with nn.logical_axis_rules((("embed", "fsdp"), ("mlp", "tensor"))):
-    tx.init(_boxed(params, logical))
+    tx.init(collectives.boxed(params, logical))
   assert sent(tx, names=logical).total == given.total
 
 
@@ -332,7 +324,7 @@ def test_boxes_named_on_the_mesh_say_where_the_state_is():
 
   def program(tx, boxes_mesh):
     with jax.set_mesh(boxes_mesh) if boxes_mesh is not None else contextlib.nullcontext():
-      tx.init(_boxed(params, RELAY_SPECS))
+      tx.init(collectives.boxed(params, RELAY_SPECS))
     return _relay_program(tx, auto)
 
   placed = lambda: _relay_tx("galore")  # noqa: E731

@@ -368,33 +368,44 @@ def owner_layout(tx, setting: Any = AUTO):
 
   def update_fn(updates, state, params=None, **extra):
     mesh = resolve_mesh(layout, updates)
-    specs = given
-    context = jax.sharding.get_abstract_mesh()
-    held = None
-    majors = True
-    if mesh is not None and not context.empty and context.explicit_axes:
-      # the context mesh's Explicit axes: each gradient's split is part of its type
-      specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
-      held = state_held(state, specs)
-    elif mesh is not None and given is None and boxed:
-      # Auto axes: the split the boxes given to init named; the state is laid out by the
-      # names its own boxes carry (fo.state_shardings' rules) where they named this mesh
-      specs, placed = _box_split(boxed[0], updates, mesh)
-      majors = False
-      if placed:
-        held = state_held(state, specs, placed=True)
-    elif mesh is not None and specs and layout.state_placed:
-      held = state_held(state, specs, placed=True)
-    if specs:  # each with its gradient's shape: a leaf of another shape at that path
-      # (a block's coefficients, a stack) is not split as the parameter is
-      specs = {k: (tuple(jnp.shape(x)), specs[k])
-               for k, x in zip(*_keyed_leaves(updates)) if k in specs}
+    specs, held, majors = None, None, True
+    if mesh is not None:
+      specs, held, majors = _known_split(layout, given, boxed[0] if boxed else None,
+                                         updates, state, mesh)
     if mesh is not None and not specs and not layout.guessed and _split_axes(mesh) > 1:
       mesh = None  # the split would be guessed on a mesh of several axes
     with using(mesh, layout.transport_dtype, specs, held, majors):
       return tx.update(updates, state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _known_split(layout: OwnerLayout, given: Optional[dict], boxes: Optional[_Boxes],
+                 updates: Any, state: Any, mesh) -> tuple:
+  """``(specs, held, majors)`` for :func:`using`: where the update learns each gradient's
+  split (``{path: (shape, PartitionSpec)}``, ``None``: guessed) and its state's layout
+  (:func:`state_held`). In order: the context mesh's ``Explicit`` axes (the types); the
+  specs given (``given``, ``path_specs`` of ``layout.param_specs``); the boxes the
+  parameters came to ``init`` in (``boxes``; the state laid out by its own boxes' names
+  where they named this mesh, ``majors`` off: :func:`parameter_axes_first`)."""
+  specs, held, majors = given, None, True
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty and context.explicit_axes:
+    # the context mesh's Explicit axes: each gradient's split is part of its type
+    specs = path_specs(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, updates))
+    held = state_held(state, specs)
+  elif given is None and boxes is not None:
+    specs, placed = _box_split(boxes, updates, mesh)
+    majors = False
+    if placed:
+      held = state_held(state, specs, placed=True)
+  elif specs and layout.state_placed:
+    held = state_held(state, specs, placed=True)
+  if specs:  # each with its gradient's shape: a leaf of another shape at that path
+    # (a block's coefficients, a stack) is not split as the parameter is
+    specs = {k: (tuple(jnp.shape(x)), specs[k])
+             for k, x in zip(*_keyed_leaves(updates)) if k in specs}
+  return specs, held, majors
 
 
 def _path_key(path) -> str:
