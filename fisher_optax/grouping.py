@@ -221,7 +221,11 @@ def map_grouped(fn, items: list, *, state: bool = False, layouts=None,
            else jnp.concatenate([items[j][a] for j in members], axis=0)
            for a in range(len(items[members[0]]))] for members in groups]
   for members, cat in zip(groups, cats):
-    res = owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts)
+    known = {None if splits is None or splits[j] is None else tuple(splits[j])
+             for j in members}
+    res = owners.map_whole(fn, cat, map_matrices, replicate=state, layouts=layouts,
+                           split=list(known.pop()) if len(known) == 1 and None not in known
+                           else None)
     if len(members) == 1:
       out[members[0]] = res
       continue

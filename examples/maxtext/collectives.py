@@ -18,8 +18,8 @@ nothing, is the yardstick: what an optimizer *adds* is its step's figure minus A
 
 ``adamw`` and ``muon (MaxText)`` are MaxText's own optimizers (``opt_type``); every other
 name is a fisher_optax optimizer through the launcher, with each ``--owner-layouts``
-setting (``auto``: its default, the split guessed from each matrix's shape; ``specs``:
-the split read from MaxText's logical axis rules; ``off``).
+setting (``auto``: its default, the split read from the parameters' logical names under
+MaxText's rules in force at ``init``; ``specs``: the launcher's mesh and specs; ``off``).
 
 MaxText needs Python 3.12 or newer (``pip install maxtext``).
 """

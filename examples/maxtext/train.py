@@ -16,9 +16,9 @@ overrides of its ``base.yml``, or a config path first). MaxText builds its optim
   own ``learning_rate`` and ``adam_*`` settings;
 * the owner layout (whole-matrix work on owner devices) is given MaxText's mesh and the
   parameters' specs under its logical axis rules, so that every matrix moves to its
-  owner from the split it has (``--owner-layout``; guessed from the shapes, the split is
-  wrong for MaxText's output projections, and SOAP and Shampoo then sent more than with
-  the layout off: see ``collectives.py`` here);
+  owner from the split it has, and SOAP, Shampoo and Eigen-Adam keep their state on the
+  owners (``--owner-layout``; with ``auto`` they keep it per leaf, built outside the
+  context mesh, and send many times more: see ``collectives.py`` here);
 * ``fo.describe`` prints the routing of every parameter before training, one line the
   optimizer state's bytes on the first device against the whole state's, and one the
   model's parameter bytes.
@@ -56,8 +56,8 @@ def parse(argv):
                       "rules, fo.OwnerLayout(mesh=..., param_specs=...); where MaxText "
                       "gives no mesh or no NNX model, the optimizer's own default), "
                       "'auto' (the optimizer's own default: MaxText traces the step under "
-                      "jax.set_mesh, and each matrix's split is guessed from its shape), "
-                      "or 'off'")
+                      "jax.set_mesh, and each matrix's split is read from its logical "
+                      "names under MaxText's rules), or 'off'")
   return p.parse_known_args(argv)
 
 

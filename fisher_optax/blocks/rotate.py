@@ -60,6 +60,7 @@ from optax import tree_utils as otu
 
 from fisher_optax import eigenbasis, grouping, lifting, matrices, validation
 from fisher_optax.blocks import rotate_owned
+from fisher_optax.parallel import owners
 
 _SIDES = ("left", "right", "both", "smaller")
 
@@ -98,18 +99,49 @@ def active_sides(view: matrices.MatrixView, sides: str,
 # ---------------------------------------------------------------- whole tree, refresh
 
 
-def _refresh_sides(stats: dict, bases: dict, use_eigh: bool) -> dict:
+def _refresh_sides(stats: dict, bases: dict, use_eigh: bool,
+                   splits: Optional[dict] = None) -> dict:
   """``stats``/``bases``: ``{"l": [leaf arrays or None], "r": [...]}`` -> the same dict of
   :class:`~fisher_optax.eigenbasis.SideRefresh` (``None`` for disabled sides).
   Statistics of equal size ``d`` (across leaves, stack entries and sides) are
   concatenated so that one decomposition call (:func:`fisher_optax.grouping.map_grouped`)
-  serves them."""
+  serves them.
+
+  ``splits`` (under the owner layout, with the state per leaf): per side, per leaf, how
+  its statistics and bases are held and how they travel (``owners.square_split``). A
+  split side goes to its owners and its new basis comes back to its split; a side held
+  whole on every device, or whose split cannot travel, is refreshed where it is, as
+  without the layout. Both are pinned to the layout they are held in. Left to the
+  exchange's guess, a side came back split as the guess said, and XLA moved the
+  statistics and bases of every such side to every device at every step, refresh or
+  not (MaxText's SOAP under FSDP on 8 devices: its ordinary step sent more than with
+  the layout off)."""
   members = [(i, side) for i in range(len(stats["l"])) for side in ("l", "r")
              if stats[side][i] is not None]
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])  # noqa: E731
-  outs = grouping.map_grouped(lambda st, b: eigenbasis.side_refresh(st, b, use_eigh),
-                            [(flat(stats[side][i]), flat(bases[side][i]))
-                             for i, side in members])
+  refresh = lambda st, b: eigenbasis.side_refresh(st, b, use_eigh)  # noqa: E731
+  items = [(flat(stats[side][i]), flat(bases[side][i])) for i, side in members]
+  if splits is None:
+    outs = grouping.map_grouped(refresh, items)
+  else:
+    where = [splits[side][i] for i, side in members]
+    pin = lambda tree, held: jax.tree.map(  # noqa: E731
+        lambda x: owners.pinned_stack(x, held) if jnp.ndim(x) == 3 else x, tree)
+    items = [pin(it, held) for it, (held, _) in zip(items, where)]
+    outs = [None] * len(members)
+    away: dict = {}  # the sides that go to owners, by the split they travel from
+    for j, (held, moved) in enumerate(where):
+      if held and moved is not None:
+        away.setdefault(tuple(moved), []).append(j)
+    for moved, js in away.items():
+      for j, o in zip(js, grouping.map_grouped(refresh, [items[j] for j in js],
+                                               splits=[list(moved)] * len(js))):
+        outs[j] = o
+    home = [j for j in range(len(members)) if outs[j] is None]
+    with owners.using(None):
+      for j, o in zip(home, grouping.map_grouped(refresh, [items[j] for j in home])):
+        outs[j] = o
+    outs = [pin(o, held) for o, (held, _) in zip(outs, where)]
   res = {"l": [None] * len(stats["l"]), "r": [None] * len(stats["r"])}
   for (i, side), out in zip(members, outs):
     batch = stats[side][i].shape[:-2]
@@ -321,7 +353,7 @@ class _Rotation:
   def refreshed(self, lifted, use_eigh, ops):
     """New bases (+ eigenvalues) and the inner state moved to them."""
     st, bases, eigs, inner_state = ops
-    res = _refresh_sides(st, bases, use_eigh)
+    res = _refresh_sides(st, bases, use_eigh, self.square_splits(lifted))
     new_bases = {k: [o if r is None else r.basis for o, r in zip(bases[k], res[k])]
                  for k in "lr"}
     new_eigs = eigs
@@ -341,6 +373,20 @@ class _Rotation:
                               get("l", "order"), get("r", "order"))
       inner_state = otu.tree_set(inner_state, **{name: lifted.unflatten(new)})
     return new_bases, new_eigs, inner_state
+
+  def square_splits(self, lifted) -> Optional[dict]:
+    """Under the owner layout, per side, per leaf, how its statistics and bases are
+    held and how they travel where the state is per leaf (``owners.square_split``);
+    ``None`` otherwise."""
+    if owners.active() is None:
+      return None
+    flat = [g.reshape((-1,) + g.shape[-2:]).shape for g in lifted.canonical_grads]
+    # statistics of a square parameter's own shape are laid out as the parameter
+    first = [None if len(v.shape) != 2 or v.m != v.n else
+             1 if (v.cols if v.transpose else v.rows) == (0,) else 2 for v in lifted.views]
+    return {k: [owners.square_split(sp, shape, side, f)
+                for sp, shape, f in zip(lifted.held_splits, flat, first)]
+            for k, side in (("l", "left"), ("r", "right"))}
 
   def rotated_update(self, lifted, bases, eigs, inner_state):
     power, eps = self.eigenvalue_power, self.stats_eps

@@ -932,7 +932,8 @@ def _result_splits(out_leaves: list, padded: list, mesh, replicate: bool,
 
 def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
               replicate: bool = False,
-              layouts: Optional[Callable[[list, Any], list]] = None) -> Any:
+              layouts: Optional[Callable[[list, Any], list]] = None,
+              split: Optional[list] = None) -> Any:
   """``local(fn, *args)`` (``fn`` over the stack axis of ``args``: arrays ``(k, ...)`` or
   ``None``) with each matrix on its owner when the owner layout is on; otherwise
   ``local(fn, *args)`` as it is.
@@ -952,7 +953,9 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   to agree with the refresh branch). ``layouts``: with ``replicate``, given the padded
   arguments and their split (``None`` here: guessed), a split per result (``None``:
   gathered) where results come back split instead (:func:`exchange_split`), each
-  device receiving its own rows only."""
+  device receiving its own rows only. ``split``: where known, the split of the stack's
+  arrays of its matrices' shape (the first argument's), in and out (without
+  ``replicate``), in place of the guess."""
   on = _ACTIVE.get()
   if on is None:
     return local(fn, *args)
@@ -964,10 +967,14 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   axes = tuple(mesh.axis_names)
   present = [i for i, a in enumerate(padded) if a is not None]
   dtypes = [padded[i].dtype for i in present]
-  in_splits = [_matrix_split(padded[i].shape, mesh) for i in present]
+  matrix = padded[present[0]].shape[1:]
+  known = lambda shape: (split if split is not None and shape[1:] == matrix  # noqa: E731
+                         else _matrix_split(shape, mesh))
+  in_splits = [known(padded[i].shape) for i in present]
   shapes = jax.eval_shape(lambda *xs: local(fn, *xs), *padded)
   out_leaves, out_tree = jax.tree.flatten(shapes)
-  out_splits = _result_splits(out_leaves, padded, mesh, replicate, layouts)
+  out_splits = (_result_splits(out_leaves, padded, mesh, replicate, layouts)
+                if replicate or split is None else [known(o.shape) for o in out_leaves])
   send = sender(transport)  # floating inputs travel in it; the owners compute in their own
 
   def body(*xs):
@@ -1305,6 +1312,42 @@ def everywhere(fn: Callable, args: Any) -> Any:
   on = _ACTIVE.get()
   return jax.shard_map(fn, in_specs=P(), out_specs=P(), check_vma=False,
                        **_mesh_argument(on.mesh))(args)
+
+
+def square_split(split: Optional[list], shape: tuple, side: str,
+                 first: Optional[int] = None) -> Optional[tuple]:
+  """Under the owner layout, how a side's ``d x d`` statistics (a stack ``(k, d, d)``) of
+  matrices ``(k, m, n)`` split as ``split`` (:func:`view_split` with ``spread=False``;
+  ``None``: not known, guessed from ``shape`` as the exchange guesses a gradient's,
+  :func:`_matrix_split`) are held and how they travel: ``(held, moved)``. ``held``, as
+  ``fo.state_shardings`` lays such statistics out (roles ``left_square`` /
+  ``right_square``): their first axis as that side of the matrix, or, for statistics of
+  a square parameter's own shape (``first``: the axis of ``(k, m, n)`` that is the
+  parameter's first), both axes as the parameter's; ``[]`` where they are whole on every
+  device. ``moved``: ``held`` with the other mesh axes added to an axis they divide (the
+  exchange splits a matrix over every mesh axis; the rest is a local slice), ``None``
+  where they divide neither. ``None`` without the owner layout."""
+  on = _ACTIVE.get()
+  if on is None:
+    return None
+  if split is None:
+    split = _matrix_split(tuple(shape), on.mesh) or []
+  if first is None:
+    axis = 1 if side == "left" else 2
+    held = [(1, name) for a, name in split if a == axis]
+  else:
+    held = ([(1, name) for a, name in split if a == first]
+            + [(2, name) for a, name in split if a == 3 - first])
+  d = shape[1]
+  size = lambda ns: math.prod(on.mesh.shape[n] for n in ns)  # noqa: E731
+  rows = [n for a, n in held if a == 1]
+  cols = [n for a, n in held if a == 2]
+  rest = [n for n in on.mesh.axis_names if n not in rows + cols]
+  if d % size(rows + rest) == 0:
+    return held, [(1, n) for n in rows + rest] + [(2, n) for n in cols]
+  if d % size(cols + rest) == 0:
+    return held, [(1, n) for n in rows] + [(2, n) for n in cols + rest]
+  return held, None
 
 
 def pinned_stack(x: jax.Array, split: Optional[list]) -> jax.Array:
