@@ -1314,8 +1314,16 @@ def everywhere(fn: Callable, args: Any) -> Any:
                        **_mesh_argument(on.mesh))(args)
 
 
+class SquareSplit(NamedTuple):
+  """How one side's ``d x d`` statistics and bases are held and travel, and how its
+  eigenvalues (``(k, d)``) are held (:func:`square_split`)."""
+  held: list
+  moved: Optional[list]
+  values: list
+
+
 def square_split(split: Optional[list], shape: tuple, side: str,
-                 first: Optional[int] = None) -> Optional[tuple]:
+                 first: Optional[int] = None) -> Optional[SquareSplit]:
   """Under the owner layout, how a side's ``d x d`` statistics (a stack ``(k, d, d)``) of
   matrices ``(k, m, n)`` split as ``split`` (:func:`view_split` with ``spread=False``;
   ``None``: not known, guessed from ``shape`` as the exchange guesses a gradient's,
@@ -1326,28 +1334,29 @@ def square_split(split: Optional[list], shape: tuple, side: str,
   parameter's first), both axes as the parameter's; ``[]`` where they are whole on every
   device. ``moved``: ``held`` with the other mesh axes added to an axis they divide (the
   exchange splits a matrix over every mesh axis; the rest is a local slice), ``None``
-  where they divide neither. ``None`` without the owner layout."""
+  where they divide neither. ``values``: the split of its eigenvalues, as that side of
+  the matrix. ``None`` without the owner layout."""
   on = _ACTIVE.get()
   if on is None:
     return None
   if split is None:
     split = _matrix_split(tuple(shape), on.mesh) or []
-  if first is None:
-    axis = 1 if side == "left" else 2
-    held = [(1, name) for a, name in split if a == axis]
-  else:
-    held = ([(1, name) for a, name in split if a == first]
-            + [(2, name) for a, name in split if a == 3 - first])
+  axis = 1 if side == "left" else 2
+  values = [(1, name) for a, name in split if a == axis]
+  held = values if first is None else (
+      [(1, name) for a, name in split if a == first]
+      + [(2, name) for a, name in split if a == 3 - first])
   d = shape[1]
   size = lambda ns: math.prod(on.mesh.shape[n] for n in ns)  # noqa: E731
   rows = [n for a, n in held if a == 1]
   cols = [n for a, n in held if a == 2]
   rest = [n for n in on.mesh.axis_names if n not in rows + cols]
+  moved = None
   if d % size(rows + rest) == 0:
-    return held, [(1, n) for n in rows + rest] + [(2, n) for n in cols]
-  if d % size(cols + rest) == 0:
-    return held, [(1, n) for n in rows] + [(2, n) for n in cols + rest]
-  return held, None
+    moved = [(1, n) for n in rows + rest] + [(2, n) for n in cols]
+  elif d % size(cols + rest) == 0:
+    moved = [(1, n) for n in rows] + [(2, n) for n in cols + rest]
+  return SquareSplit(held, moved, values)
 
 
 def pinned_stack(x: jax.Array, split: Optional[list]) -> jax.Array:
