@@ -423,6 +423,14 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   if axis_types == "boxes" and step_time._ours(name):  # optax's own read no boxes
     state, s_sh = _boxed_init(tx, params, specs, mesh)
+  elif axis_types == "arrays" and step_time._ours(name):
+    # init of concrete arrays placed by the specs (jax.device_put), as a plain jax.jit
+    # program sets them up; the state laid out as fo.state_shardings says
+    import jax.numpy as jnp
+    tx.init(jax.device_put(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), params),
+                           p_sh))
+    s_sh = fo.state_shardings(tx, params, specs, mesh)
+    state = jax.eval_shape(tx.init, params)
   else:
     s_sh = fo.state_shardings(tx, params, specs, mesh)
     state = jax.eval_shape(tx.init, params)
@@ -531,7 +539,7 @@ def main(argv=None):
                        "ordinary and a refresh step: the JAX operation (op_name) that "
                        "issued each collective, with its bytes / parameter bytes")
   ap.add_argument("--axis-types", default="auto",
-                  choices=("auto", "explicit", "given", "boxes"),
+                  choices=("auto", "explicit", "given", "boxes", "arrays"),
                   help="the mesh's axis types: Auto (jax.sharding.Mesh's default; the "
                        "owner layout guesses each matrix's split from its shape), "
                        "Explicit (jax.make_mesh's default; it reads the split from the "
@@ -539,7 +547,8 @@ def main(argv=None):
                        "the owner layout (fo.OwnerLayout(param_specs=..., "
                        "state_placed=True)), or Auto with init given the parameters in "
                        "boxes named by their specs, as the Flax recipes give them (the "
-                       "state laid out by its boxes' names)")
+                       "state laid out by its boxes' names), or Auto with init given "
+                       "concrete arrays placed by their specs (jax.device_put)")
   ap.add_argument("--max-precond-dim", type=int, default=None, metavar="N",
                   help="the rotation family's largest rotated side (SOAP, Shampoo, "
                        "Eigen-Adam: max_precond_dim; each optimizer's default otherwise)")
@@ -558,7 +567,8 @@ def main(argv=None):
   rows = []
   axes = {"auto": "Auto axes", "explicit": "Explicit axes",
           "given": "Auto axes, specs given",
-          "boxes": "Auto axes, parameters in named boxes"}[args.axis_types]
+          "boxes": "Auto axes, parameters in named boxes",
+          "arrays": "Auto axes, init of placed arrays"}[args.axis_types]
   print(f"{args.preset}, {args.layout}, {args.devices} devices, {axes}, "
         f"owner layout {args.owner_layout}: bytes sent per device per update / parameter bytes")
   print(f"{'optimizer':<12} {'ordinary':>9} {'refresh':>9} {'collectives':>12} {'temp':>7} "

@@ -303,6 +303,12 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
       with owners.reading_boxes(pure, specs, mesh, variables.ruled_specs(specs)):
         state = init_arrays(pure, 4)
       return variables.name_state(out, state, params, pure, dims)
+    specs, _ = variables.placed_specs(params)
+    if specs is not None:
+      # concrete arrays placed by NamedShardings (jax.device_put, a jitted function's
+      # outputs): the owner layout reads each matrix's split from them, as from boxes
+      with owners.reading_boxes(params, specs, None):
+        return init_arrays(params, 4)
     return init_arrays(params, 4)
 
   def init_arrays(params, stacklevel):

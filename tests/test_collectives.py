@@ -184,6 +184,17 @@ def test_collectives_script_reads_the_split_from_named_boxes(tmp_path):
   assert rows["muon"]["ordinary_ratio"] > 10 * rows["fo_muon"]["ordinary_ratio"], rows
 
 
+@pytest.mark.example
+def test_collectives_script_reads_the_split_from_placed_arrays(tmp_path):
+  """The script with ``--axis-types arrays`` under FSDP x TP on 4 devices (``Auto`` axes,
+  ``init`` given concrete arrays placed by their specs): the library's Muon is its two
+  packed exchanges, as with boxes named by mesh axes."""
+  rows = _script_rows(tmp_path, "arrays")
+  assert rows["fo_muon"]["axis_types"] == "arrays"
+  assert rows["fo_muon"]["ordinary_collectives"] == 2, rows["fo_muon"]
+  assert rows["muon"]["ordinary_ratio"] > 10 * rows["fo_muon"]["ordinary_ratio"], rows
+
+
 def _largest_collective(text):
   """Bytes of the largest collective result in an HLO text (async starts included)."""
   out = 0

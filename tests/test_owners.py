@@ -228,30 +228,41 @@ def test_view_split_reads_each_leaf_split_onto_its_canonical_matrices():
     assert owners.view_split(view((16, 32)), P("elsewhere")) is None
 
 
+# row- and column-parallel matrices of one shape (tensor parallelism's layouts)
+SPLIT_SPECS = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
+               "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
+SPLIT_SHAPES = {"a": (16, 32), "b": (16, 32), "c": (3, 16, 32), "d": (16, 32)}
+
+
+def _split_muon(**kw):
+  return fo.muon(0.01, dims={k: fo.MatrixDims() for k in SPLIT_SHAPES}, stack_matrices=False,
+                 **kw)
+
+
+def _shaped(tree, shardings):
+  """``tree`` as ``jax.ShapeDtypeStruct`` s placed by ``shardings``."""
+  return jax.tree.map(lambda x, z: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=z), tree,
+                      shardings)
+
+
 def test_row_and_column_parallel_matrices_travel_from_their_own_split():
   """Same-shape matrices split differently (tensor parallelism's column- and row-parallel
   layouts): on ``Explicit`` axes the owner layout reads each gradient's split from its
   type, and on ``Auto`` axes from ``OwnerLayout(param_specs=...)``; Muon's update is
   then the two packed exchanges and nothing else. Guessed from the shapes, XLA moves
   the row-parallel ones once more on the way."""
-  specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
-           "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
-  shapes = {"a": (16, 32), "b": (16, 32), "c": (3, 16, 32), "d": (16, 32)}
-  params = util.random_tree(shapes, 0, 0.1)
+  specs, params = SPLIT_SPECS, util.random_tree(SPLIT_SHAPES, 0, 0.1)
 
   def sent(tx, mesh):
     p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
     s_sh = fo.state_shardings(tx, params, specs, mesh)
-    shaped = lambda t, sh: jax.tree.map(  # noqa: E731
-        lambda x, z: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=z), t, sh)
     step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
     with jax.set_mesh(mesh):
-      text = step.lower(shaped(params, p_sh), shaped(jax.eval_shape(tx.init, params), s_sh),
-                        shaped(params, p_sh)).compile().as_text()
+      text = step.lower(_shaped(params, p_sh), _shaped(jax.eval_shape(tx.init, params), s_sh),
+                        _shaped(params, p_sh)).compile().as_text()
     return collectives.traffic(text, 8, refresh=False)[0]
 
-  muon = lambda **kw: fo.muon(0.01, dims={k: fo.MatrixDims() for k in shapes},  # noqa: E731
-                              stack_matrices=False, **kw)
+  muon = _split_muon
   read = sent(muon(), _mesh(explicit=True))
   given = sent(muon(owner_layout=fo.OwnerLayout(param_specs=specs)), _mesh())
   guessed = sent(muon(), _mesh())
@@ -268,18 +279,12 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   again outside them, as MaxText does); with none in force the split is guessed, and XLA
   moves the row-parallel ones once more."""
   from benchmarks import collectives as bench
-  specs = {"a": P("fsdp", "tensor"), "b": P("tensor", "fsdp"),
-           "c": P(None, "tensor", "fsdp"), "d": P("fsdp", "tensor")}
-  shapes = {"a": (16, 32), "b": (16, 32), "c": (3, 16, 32), "d": (16, 32)}
+  specs, params, muon, shaped = (SPLIT_SPECS, util.random_tree(SPLIT_SHAPES, 0, 0.1),
+                                 _split_muon, _shaped)
   logical = {"a": ("embed", "mlp"), "b": ("mlp", "embed"), "c": (None, "mlp", "embed"),
              "d": ("embed", "mlp")}
-  params = util.random_tree(shapes, 0, 0.1)
   mesh = _mesh()
   p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
-  shaped = lambda t, sh: jax.tree.map(  # noqa: E731
-      lambda x, z: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=z), t, sh)
-  muon = lambda **kw: fo.muon(0.01, dims={k: fo.MatrixDims() for k in shapes},  # noqa: E731
-                              stack_matrices=False, **kw)
 
   def sent(tx, names=None):
     if names is None:  # the state laid out by the names its own boxes carry
@@ -306,6 +311,49 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   with nn.logical_axis_rules((("embed", "fsdp"), ("mlp", "tensor"))):
     tx.init(collectives.boxed(params, logical))
   assert sent(tx, names=logical).total == given.total
+
+
+def test_the_split_of_arrays_placed_on_the_mesh_is_read_at_init():
+  """Parameters placed by ``NamedSharding`` s (``jax.device_put``) and initialised as they
+  are, on ``Auto`` axes: the owner layout reads each matrix's split from them, and Muon's
+  update of row- and column-parallel matrices of one shape is the two packed exchanges,
+  as with the specs given (guessed, XLA moves the row-parallel ones once more). Placed
+  whole on every device (data parallelism), Muon sends less than guessed, and SOAP, its
+  state on the owners, what the guess sends. An abstract ``init`` reads nothing."""
+  specs, shapes, muon, shaped = SPLIT_SPECS, SPLIT_SHAPES, _split_muon, _shaped
+  params = util.random_tree(shapes, 0, 0.1)
+  mesh = _mesh()
+  p_sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+
+  def program(tx, placed=None, sh=p_sh):
+    if placed is not None:
+      tx.init(jax.device_put(params, placed))
+    s_sh = fo.state_shardings(tx, params, {k: sh[k].spec for k in sh}, mesh)
+    step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
+    with jax.set_mesh(mesh):
+      return step.lower(shaped(params, sh), shaped(jax.eval_shape(tx.init, params), s_sh),
+                        shaped(params, sh)).compile().as_text()
+
+  sent = lambda text: collectives.traffic(text, 8, refresh=False)[0]  # noqa: E731
+  read = sent(program(muon(), p_sh))
+  given = sent(program(muon(owner_layout=fo.OwnerLayout(param_specs=specs))))
+  guessed = sent(program(muon()))
+  assert read.collectives == given.collectives == 2, (read.sent, given.sent)
+  assert read.total == given.total < guessed.total, (read.total, given.total, guessed.total)
+  abstract = muon()
+  jax.eval_shape(abstract.init, shaped(params, p_sh))
+  assert sent(program(abstract)).total == guessed.total
+  # placed whole on every device (data parallelism): known to be replicated, Muon's
+  # matrices are taken where they are and only the results travel; SOAP's, whose state
+  # is on the owners, travel as the guess sends them
+  whole = {k: NamedSharding(mesh, P()) for k in shapes}
+  assert sent(program(muon(), whole, whole)).total < sent(program(muon(), sh=whole)).total
+  soap = lambda: fo.soap(0.01, dims={k: fo.MatrixDims() for k in shapes},  # noqa: E731
+                         stack_matrices=False, precondition_frequency=2)
+  with jax.set_mesh(mesh):
+    placed, guessed = soap(), soap()
+  assert (sent(program(placed, whole, whole)).total
+          == sent(program(guessed, sh=whole)).total), "SOAP, data parallel"
 
 
 def test_boxes_named_on_the_mesh_say_where_the_state_is():

@@ -131,6 +131,25 @@ def box_specs(params: Any) -> tuple:
                                if is_box(x)])
 
 
+def placed_specs(params: Any) -> tuple:
+  """``(specs, mesh)`` of a tree of concrete arrays placed by ``NamedSharding`` s of one
+  mesh of several devices (``jax.device_put`` with shardings, a jitted function's
+  outputs): per leaf the ``PartitionSpec`` it is placed by, and that mesh; ``(None,
+  None)`` where a leaf is traced, not an array, or not so placed."""
+  leaves = jax.tree.leaves(params)
+  mesh = None
+  for x in leaves:
+    sh = getattr(x, "sharding", None)
+    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
+        or not isinstance(sh, jax.sharding.NamedSharding)
+        or (mesh is not None and sh.mesh != mesh)):
+      return None, None
+    mesh = sh.mesh
+  if mesh is None or mesh.size < 2:
+    return None, None
+  return jax.tree.map(lambda x: x.sharding.spec, params), mesh
+
+
 def ruled_specs(specs: Any) -> Optional[Any]:
   """``specs`` (a tree of ``PartitionSpec`` s of logical names) mapped to mesh axes by the
   logical axis rules in force (Flax's ``nn.logical_axis_rules`` context, as MaxText sets
