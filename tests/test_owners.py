@@ -457,6 +457,28 @@ def test_map_whole_pads_and_cuts_a_stack_that_the_devices_do_not_divide():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_a_known_split_in_another_order_than_the_mesh_keeps_each_matrix_s_results_together():
+  """``map_whole`` given a split whose mesh axes are not in the mesh's order (the axis the
+  stack is held on first, the others added, as the rotation's per-leaf refresh passes
+  it): each matrix's results, of its own shape and per matrix (eigenvalues), come back
+  to that matrix. Paired in the mesh's order, a result per matrix went to another."""
+  mesh = _mesh(data=True)
+  x = jax.random.normal(jax.random.PRNGKey(0), (6, 16, 16))
+  fn = lambda a: (a @ a.T, jnp.sum(a, axis=1))  # noqa: E731
+  local = lambda f, a: jax.vmap(f)(a)  # noqa: E731
+  want = local(fn, x)
+  split = [(1, "tensor"), (1, "data"), (1, "fsdp")]
+  sharded = jax.device_put(x, NamedSharding(mesh, P(None, "tensor")))
+
+  @jax.jit
+  def run(a):
+    with owners.using(mesh):
+      return owners.map_whole(fn, [a], local, split=split)
+
+  for g, w in zip(run(sharded), want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def test_stacks_move_packed_and_no_padding_slot_travels():
   """One call over two stacks, one of fewer matrices than devices (2 of 64 x 128, as an
   embedding and an output layer, and 9 of 64 x 64): the values of one device, results

@@ -978,6 +978,13 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   out_leaves, out_tree = jax.tree.flatten(shapes)
   out_splits = (_result_splits(out_leaves, padded, mesh, replicate, layouts)
                 if replicate or split is None else [known(o.shape) for o in out_leaves])
+  # an owner's matrices are the stack's chunk its place in the exchanges' order picks
+  # (_to_owners: the first mesh axis exchanged the major one), so arrays split over their
+  # stack axis alone go in and out in that order: in the mesh's order, a split of
+  # another order paired the eigenvalues of one matrix with the basis of another
+  lead = next((sp for sp in in_splits if sp), None)
+  order = axes if lead is None else tuple(dict.fromkeys(
+      [n for _, n in lead] + list(axes)))
   send = sender(transport)  # floating inputs travel in it; the owners compute in their own
 
   def body(*xs):
@@ -986,15 +993,15 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
       full[i] = (x if sp is None else _to_owners(x, sp)).astype(d)
     res = jax.tree.leaves(local(fn, *full))
     if replicate:
-      return [jax.lax.all_gather(send(r), axes, axis=0, tiled=True) if sp is None
+      return [jax.lax.all_gather(send(r), order, axis=0, tiled=True) if sp is None
               else _from_owners(send(r), sp) for r, sp in zip(res, out_splits)]
     return [send(r) if sp is None else _from_owners(send(r), sp)
             for r, sp in zip(res, out_splits)]
 
   out = jax.shard_map(
-      body, in_specs=tuple(_entries(padded[i].shape, sp, axes)
+      body, in_specs=tuple(_entries(padded[i].shape, sp, order)
                            for i, sp in zip(present, in_splits)),
-      out_specs=[P() if replicate and sp is None else _entries(o.shape, sp, axes)
+      out_specs=[P() if replicate and sp is None else _entries(o.shape, sp, order)
                  for o, sp in zip(out_leaves, out_splits)],
       check_vma=False, **_mesh_argument(mesh))(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
