@@ -479,6 +479,30 @@ def test_a_known_split_in_another_order_than_the_mesh_keeps_each_matrix_s_result
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
+def test_arguments_guessed_in_different_orders_keep_their_matrices_paired():
+  """``map_whole`` of two stacks whose guessed splits exchange the mesh axes in different
+  orders (8 x 16: rows over ``fsdp``, columns over ``tensor``; 6 x 8, whose rows ``fsdp``
+  does not divide: rows over ``tensor``, columns over ``fsdp``): each owner gets the
+  same matrices of both, and the results are one device's."""
+  mesh = _mesh()
+  a = jax.random.normal(jax.random.PRNGKey(0), (8, 8, 16))
+  b = jax.random.normal(jax.random.PRNGKey(1), (8, 6, 8))
+  assert owners._matrix_split(a.shape, mesh) == [(1, "fsdp"), (2, "tensor")]
+  assert owners._matrix_split(b.shape, mesh) == [(1, "tensor"), (2, "fsdp")]
+  fn = lambda x, y: (x * jnp.sum(y), y * jnp.sum(x))  # noqa: E731
+  local = lambda f, *xs: jax.vmap(f)(*xs)  # noqa: E731
+
+  @jax.jit
+  def run(x, y):
+    with owners.using(mesh):
+      return owners.map_whole(fn, [x, y], local)
+
+  got = run(jax.device_put(a, NamedSharding(mesh, P(None, "fsdp", "tensor"))),
+            jax.device_put(b, NamedSharding(mesh, P(None, "tensor", "fsdp"))))
+  for g, w in zip(got, local(fn, a, b)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-4)
+
+
 def test_stacks_move_packed_and_no_padding_slot_travels():
   """One call over two stacks, one of fewer matrices than devices (2 of 64 x 128, as an
   embedding and an output layer, and 9 of 64 x 64): the values of one device, results

@@ -985,6 +985,12 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   lead = next((sp for sp in in_splits if sp), None)
   order = axes if lead is None else tuple(dict.fromkeys(
       [n for _, n in lead] + list(axes)))
+  # every split exchanged in that order too (its names on different array axes reordered:
+  # the same layout); where that would change a layout, XLA serves the stack instead
+  ordered = lambda sp: sp if sp is None else _in_order(sp, order)  # noqa: E731
+  if any(sp is not None and ordered(sp) is None for sp in in_splits + out_splits):
+    return local(fn, *args)
+  in_splits, out_splits = [ordered(sp) for sp in in_splits], [ordered(sp) for sp in out_splits]
   send = sender(transport)  # floating inputs travel in it; the owners compute in their own
 
   def body(*xs):
@@ -1006,6 +1012,14 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
       check_vma=False, **_mesh_argument(mesh))(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
                                        for y, o in zip(out, out_leaves)])
+
+
+def _in_order(split: list, order: tuple) -> Optional[list]:
+  """``split`` with its mesh axes exchanged in ``order``'s order, where that keeps the
+  order of the names on each array axis (its layout), else ``None``."""
+  ranked = sorted(split, key=lambda e: order.index(e[1]))
+  on_axes = lambda sp: {a: [n for b, n in sp if b == a] for a, _ in sp}  # noqa: E731
+  return ranked if on_axes(ranked) == on_axes(split) else None
 
 
 def _spread_split(shape: tuple, mesh) -> Optional[list]:
