@@ -287,6 +287,36 @@ def test_a_state_kept_per_leaf_is_refreshed_from_where_it_is_held(name):
   assert sent["on", True] < 0.7 * sent["off", True], sent
 
 
+@pytest.mark.parametrize("case", ["zero_and_nan", "bfloat16_params",
+                                  pytest.param("tiny", marks=pytest.mark.slow),
+                                  pytest.param("huge", marks=pytest.mark.slow)])
+def test_a_state_kept_per_leaf_takes_bad_gradients_as_one_device_does(case):
+  """SOAP built outside any mesh (state per leaf) under the owner layout on the 4 x 2
+  mesh, its refreshes from the state's layout: zero gradients leave the parameters
+  unchanged and NaN ones stay in their leaf, as on one device; gradients near 1e-30 and
+  1e18 and bfloat16 parameters give finite updates in the parameters' dtype, those of
+  one device."""
+  mesh = _mesh()
+  dtype = jnp.bfloat16 if case == "bfloat16_params" else jnp.float32
+  scale = {"tiny": 1e-30, "huge": 1e18}.get(case, 1.0)
+  build = lambda owner: fo.soap(0.01, dims=DIMS, stack_matrices=False,  # noqa: E731
+                                owner_layout=owner, max_precond_dim=16,
+                                **ROTATION["soap"])
+  tx = build(fo.OwnerLayout(param_specs=SPECS))
+  params = lambda: jax.tree.map(lambda x: x.astype(dtype), _params())  # noqa: E731
+  if case == "zero_and_nan":
+    util.assert_zero_and_nan_stay_in_their_leaf(tx, PARAMS, params, _grads, SPECS, mesh)
+    return
+  grads = lambda t: jax.tree.map(lambda g: (g * scale).astype(dtype), _grads(t))  # noqa: E731
+  want, _ = util.run_sharded(build(False), params(), grads, SPECS, 3)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(tx, params(), grads, SPECS, 3, mesh)
+  for k in PARAMS:
+    assert got[k].dtype == dtype, (k, got[k].dtype)
+    assert np.isfinite(np.asarray(got[k], np.float32)).all(), k
+  util.assert_close_change(got, want, params(), case, 5e-3 if dtype == jnp.bfloat16 else 1e-3)
+
+
 # MaxText's kernels: the layer axis between the matrix axes (its Muon dimension numbers),
 # column- and row-parallel under FSDP x TP
 LAYERS = {"up": (32, 4, 64), "down": (64, 4, 32), "q": (32, 4, 32)}
