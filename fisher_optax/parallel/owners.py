@@ -967,30 +967,15 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   pad = -k % _mesh_size(mesh)
   padded = [a if a is None or not pad else
             jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)], axis=0) for a in args]
-  axes = tuple(mesh.axis_names)
   present = [i for i, a in enumerate(padded) if a is not None]
   dtypes = [padded[i].dtype for i in present]
-  matrix = padded[present[0]].shape[1:]
-  known = lambda shape: (split if split is not None and shape[1:] == matrix  # noqa: E731
-                         else _matrix_split(shape, mesh))
-  in_splits = [known(padded[i].shape) for i in present]
   shapes = jax.eval_shape(lambda *xs: local(fn, *xs), *padded)
   out_leaves, out_tree = jax.tree.flatten(shapes)
-  out_splits = (_result_splits(out_leaves, padded, mesh, replicate, layouts)
-                if replicate or split is None else [known(o.shape) for o in out_leaves])
-  # an owner's matrices are the stack's chunk its place in the exchanges' order picks
-  # (_to_owners: the first mesh axis exchanged the major one), so arrays split over their
-  # stack axis alone go in and out in that order: in the mesh's order, a split of
-  # another order paired the eigenvalues of one matrix with the basis of another
-  lead = next((sp for sp in in_splits if sp), None)
-  order = axes if lead is None else tuple(dict.fromkeys(
-      [n for _, n in lead] + list(axes)))
-  # every split exchanged in that order too (its names on different array axes reordered:
-  # the same layout); where that would change a layout, XLA serves the stack instead
-  ordered = lambda sp: sp if sp is None else _in_order(sp, order)  # noqa: E731
-  if any(sp is not None and ordered(sp) is None for sp in in_splits + out_splits):
+  found = _whole_splits([padded[i].shape for i in present], out_leaves, padded, mesh,
+                        replicate, layouts, split)
+  if found is None:  # no one order of exchanges keeps every layout: XLA serves the stack
     return local(fn, *args)
-  in_splits, out_splits = [ordered(sp) for sp in in_splits], [ordered(sp) for sp in out_splits]
+  in_splits, out_splits, order = found
   send = sender(transport)  # floating inputs travel in it; the owners compute in their own
 
   def body(*xs):
@@ -1012,6 +997,33 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
       check_vma=False, **_mesh_argument(mesh))(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
                                        for y, o in zip(out, out_leaves)])
+
+
+def _whole_splits(in_shapes: list, out_leaves: list, padded: list, mesh, replicate: bool,
+                  layouts, split: Optional[list]) -> Optional[tuple]:
+  """:func:`map_whole`'s ``(in_splits, out_splits, order)``: how each argument and result
+  travels (``split`` for those of the first argument's matrix shape where given, else the
+  guess, :func:`_matrix_split`; results kept as state as :func:`_result_splits` says),
+  all exchanged in one ``order`` of the mesh axes, the first argument's. An owner's
+  matrices are the stack's chunk that its place in the exchanges' order picks
+  (:func:`_to_owners`: the first mesh axis exchanged the major one), so arrays split
+  over their stack axis alone go in and out in that order too; in the mesh's order, a
+  split of another order paired the eigenvalues of one matrix with the basis of
+  another. ``None`` where a split cannot be exchanged in that order without changing
+  its layout."""
+  axes = tuple(mesh.axis_names)
+  matrix = in_shapes[0][1:]
+  known = lambda shape: (split if split is not None and shape[1:] == matrix  # noqa: E731
+                         else _matrix_split(shape, mesh))
+  in_splits = [known(shape) for shape in in_shapes]
+  out_splits = (_result_splits(out_leaves, padded, mesh, replicate, layouts)
+                if replicate or split is None else [known(o.shape) for o in out_leaves])
+  lead = next((sp for sp in in_splits if sp), None)
+  order = axes if lead is None else tuple(dict.fromkeys([n for _, n in lead] + list(axes)))
+  ordered = [sp if sp is None else _in_order(sp, order) for sp in in_splits + out_splits]
+  if any(sp is not None and o is None for sp, o in zip(in_splits + out_splits, ordered)):
+    return None
+  return ordered[:len(in_splits)], ordered[len(in_splits):], order
 
 
 def _in_order(split: list, order: tuple) -> Optional[list]:
@@ -1441,10 +1453,8 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   size = _mesh_size(mesh)
   shapes = _body_shapes(body, moved, owned, lengths)
   given = splits if splits is not None else [[None] * len(x) for x in moved]
-  # a matrix replicated over the mesh travels as if split (_matrix_split): its blocks are
-  # local slices; taken from the state's slots where XLA lays them out instead, it made
-  # XLA sum the whole owned state over the devices (SOAP, tiny, data parallel on 8
-  # devices: 19.7x the parameter bytes)
+  # a replicated matrix travels as guessed (local slices); from the state's slots, XLA summed
+  # the whole owned state (SOAP, tiny, data parallel, 8 devices: 19.7x the parameters)
   item_splits = [[list(sp) if sp else _matrix_split(x.shape, mesh)
                   for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
 
