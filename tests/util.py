@@ -230,10 +230,17 @@ def updates_on_mesh(tx, shape, grads, mesh, spec):
   """Per-step updates of ``tx`` on one leaf of ``shape`` laid out as ``spec`` on ``mesh``
   (the context mesh while compiling; state laid out by ``fo.state_shardings``), as
   float64 arrays."""
+  return [u["w"] for u in tree_updates_on_mesh(tx, {"w": shape}, [{"w": g} for g in grads],
+                                               mesh, {"w": spec})]
+
+
+def tree_updates_on_mesh(tx, shapes, grads, mesh, specs):
+  """:func:`updates_on_mesh` for a dict of leaves: ``shapes`` and ``specs`` per leaf,
+  ``grads`` one dict per step; per step, a dict of float64 updates."""
   from jax.sharding import NamedSharding
-  params = {"w": jnp.zeros(shape, jnp.float32)}
-  sh = {"w": NamedSharding(mesh, spec)}
-  s_sh = fo.state_shardings(tx, params, {"w": spec}, mesh)
+  params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+  sh = {k: NamedSharding(mesh, specs[k]) for k in shapes}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
   params = jax.device_put(params, sh)  # on Explicit axes their split is in their types
   state = jax.jit(tx.init, out_shardings=s_sh)(params)
   with jax.set_mesh(mesh):
@@ -241,9 +248,9 @@ def updates_on_mesh(tx, shape, grads, mesh, spec):
     step = step.lower(params, state, params).compile()
   out = []
   for g in grads:
-    u, state = step(jax.device_put({"w": jnp.asarray(g, jnp.float32)}, sh), state,
-                    jax.device_put(params, sh))
-    out.append(np.asarray(u["w"], np.float64))
+    u, state = step(jax.device_put({k: jnp.asarray(x, jnp.float32) for k, x in g.items()}, sh),
+                    state, jax.device_put(params, sh))
+    out.append({k: np.asarray(x, np.float64) for k, x in u.items()})
   return out
 
 

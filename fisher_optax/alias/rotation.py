@@ -110,7 +110,7 @@ def soap(learning_rate: optax.ScalarOrSchedule, *, b1: float = 0.95, b2: float =
                    b3=b2 if shampoo_beta is None else shampoo_beta, statistics="after",
                    refresh="power_qr", reexpress=("mu",), permute=("nu",),
                    max_precond_dim=_precond_limit(max_precond_dim), dims=bd,
-                   owners=owners.state_devices(owner_layout))]
+                   owners=owners.state_devices(owner_layout), transposable=True)]
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
@@ -162,7 +162,7 @@ def shampoo(learning_rate: optax.ScalarOrSchedule, *, eps: float = 1e-6, interva
     return [rotate(optax.identity(), sides="both", interval=interval, b3=None,
                    statistics="before", refresh=refresh, eigenvalue_power=-0.25,
                    stats_eps=eps, max_precond_dim=_precond_limit(max_precond_dim), dims=bd,
-                   owners=owners.state_devices(owner_layout))]
+                   owners=owners.state_devices(owner_layout), transposable=True)]
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,

@@ -184,7 +184,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
            reexpress: Sequence[str] = (), permute: Sequence[str] = (),
            eigenvalue_power: Optional[float] = None, stats_eps: float = 0.0,
            max_precond_dim: Optional[int] = 10000, dims: matrices.DimsSpec = None,
-           owners: Optional[Union[int, str]] = None) -> optax.GradientTransformation:
+           owners: Optional[Union[int, str]] = None,
+           transposable: bool = False) -> optax.GradientTransformation:
   """Runs ``inner`` in the eigenbasis of the gradient statistics (module docstring).
 
   Args:
@@ -218,6 +219,14 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       ``"auto"``: the context mesh's size when ``rotate`` is called
       (``blocks/rotate_owned.py``: ``resolve``, ``devices_for``). The state records
       ``P`` (``RotateOwnedState.load``): an update follows the state it is given.
+    transposable: whether ``inner`` commutes with transposing the matrices it is given
+      (it acts elementwise, as Adam's moments and the identity do), so that the update
+      of ``G^T`` is the transpose of the update of ``G``, its sides swapped. With
+      ``sides="both"`` and ``owners``, the owned state may then keep ``n x m``
+      matrices transposed in the stack of the ``m x n`` ones (``m < n``), where one
+      stack needs fewer slots per device than two (``blocks/rotate_owned.py``,
+      ``owned_views``): a transformer's ``d x f`` and ``f x d`` MLP matrices on a mesh
+      with more devices than either has matrices.
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")
@@ -234,7 +243,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
                   refresh=refresh, reexpress=tuple(reexpress), permute=tuple(permute),
                   eigenvalue_power=eigenvalue_power, stats_eps=stats_eps,
                   max_dim=validation.static_int("max_precond_dim", max_precond_dim),
-                  dims=dims, owners=owners, owners_from_context=from_context)
+                  dims=dims, owners=owners, owners_from_context=from_context,
+                  transposable=bool(transposable))
   if owners is not None:
     return rotate_owned.transformation(cfg)
   return optax.GradientTransformation(cfg.init, cfg.update)
@@ -258,6 +268,7 @@ class _Rotation:
   dims: matrices.DimsSpec
   owners: Optional[int] = None
   owners_from_context: bool = False
+  transposable: bool = False
 
   def active(self, v: matrices.MatrixView) -> tuple[bool, bool]:
     return active_sides(v, self.sides, self.max_dim)

@@ -851,6 +851,16 @@ def _matrix_split(shape: tuple, mesh) -> Optional[list]:
   return None
 
 
+def guessed_split(shape: tuple) -> Optional[list]:
+  """:func:`_matrix_split` of a stack of ``shape`` under the active owner layout's mesh."""
+  return _matrix_split(shape, _ACTIVE.get().mesh)
+
+
+def transposed_split(split: Optional[list]) -> Optional[list]:
+  """The split of a stack ``(k, m, n)`` as the split of its transpose ``(k, n, m)``."""
+  return None if split is None else [({1: 2, 2: 1}.get(a, a), n) for a, n in split]
+
+
 def _entries(shape: tuple, split: Optional[list], axes: tuple) -> P:
   """The ``PartitionSpec`` of a stack outside the owners (``split``) or, with ``split``
   ``None``, of a stack split over its stack axis."""
