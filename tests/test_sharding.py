@@ -233,6 +233,13 @@ def test_two_process_llama_matches_single_process(tmp_path, optimizer):
             "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "0",
             "--mesh", "2,2,2"]
+  if optimizer == "soap":
+    # no side above 128 rotated: the larger side's statistic of a non-square matrix is
+    # singular after one step, the basis of its null space follows the gradients'
+    # rounding, which two processes and one need not share, and Adam's step in that
+    # basis carries it: with every side rotated the two runs' eval losses differed by
+    # 2.4e-3 after 4 steps on one CPU machine and agreed to 1e-4 on another
+    common += ["--hparams", '{"max_precond_dim": 128}']
   script = str(ROOT / "examples" / "llama" / "train.py")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "single")],
