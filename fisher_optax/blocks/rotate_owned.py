@@ -4,16 +4,16 @@
 Every matrix of the tree with the same canonical size is one stack of the state (``n x m``
 matrices transposed into the ``m x n`` stack where the block allows it and that needs
 fewer slots: :func:`owned_views`), padded to ``c P`` slots and placed over the devices
-(``parallel/owners.py``: ``placement``, ``run_owned``); under the owner layout of a mesh of ``P`` devices each device keeps its
-slots and updates them with no collective, the gradients coming in and the updates going
-out by one ``all_to_all`` each. The mathematics is :mod:`fisher_optax.blocks.rotate`'s
-``step`` (``rot`` below, the block's settings), run on each size's stack by itself: the
-updates are those of ``owners=None`` (for an inner transformation that treats matrices
-one by one, as Adam does; one that couples all of them, a global-norm clip say, sees
-one size at a time). A device that owns none of a size's matrices runs that size's step
-on no matrix, so padding costs memory, not work. Matrices rotated on one side that send
-less where their shards are (:func:`in_place`) keep a per-leaf state laid out on their
-unrotated side.
+(``parallel/owners.py``: ``placement``, ``run_owned``); under the owner layout of a mesh
+of ``P`` devices each device keeps its slots and updates them with no collective, the
+gradients coming in and the updates going out by one ``all_to_all`` each. The
+mathematics is :mod:`fisher_optax.blocks.rotate`'s ``step`` (``rot`` below, the block's
+settings), run on each size's stack by itself: the updates are those of ``owners=None``
+(for an inner transformation that treats matrices one by one, as Adam does; one that
+couples all of them, a global-norm clip say, sees one size at a time). A device that owns
+none of a size's matrices runs that size's step on no matrix, so padding costs memory,
+not work. Matrices rotated on one side that send less where their shards are
+(:func:`in_place`) keep a per-leaf state laid out on their unrotated side.
 """
 
 from __future__ import annotations
