@@ -226,7 +226,11 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       matrices transposed in the stack of the ``m x n`` ones (``m < n``), where one
       stack needs fewer slots per device than two (``blocks/rotate_owned.py``,
       ``owned_views``): a transformer's ``d x f`` and ``f x d`` MLP matrices on a mesh
-      with more devices than either has matrices.
+      with more devices than either has matrices. The updates are the same in exact
+      arithmetic; in float32 a transposed matrix sums its statistics in another order,
+      which matters where a statistic is singular (a non-square matrix's larger side
+      after one step): the basis of its null space follows the rounding, as it does
+      between any two layouts that sum in different orders.
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")
