@@ -574,3 +574,34 @@ def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
           for owner in (mesh, False)]
   assert sent[0].count["all-to-all"] == 2, sent[0]
   assert sent[0].total < 0.1 * sent[1].total, (sent[0].total, sent[1].total)
+
+
+# two cases in the default run (about 9 s each on 2 cores), the others in CI's slow step
+@pytest.mark.parametrize("case", ["zero_and_nan", "huge"] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in ("tiny", "bfloat16_params")])
+def test_a_matrix_held_transposed_takes_bad_gradients_as_one_device_does(case):
+  """Shampoo on the mesh holds the 4 matrices of 32 x 16 transposed in the stack of the
+  9 of 16 x 32 (``rotate``'s ``transposable``): a zero gradient leaves them unchanged,
+  a NaN one makes only that leaf NaN (not the matrices it shares a stack and owners
+  with), and gradients near 1e-30 and 1e15 and bfloat16 parameters give one device's
+  updates, finite, in the parameters' dtype. (Near 1e18 Shampoo's summed float32
+  statistics of the wide 4 x 64 matrix overflow, on one device as on the mesh.)"""
+  mesh = _mesh()
+  owned = _rotation_state(jax.eval_shape(_tx("shampoo", mesh).init, _params())).owned
+  assert "32x16" not in owned and owned["16x32"].left.stats["16x32"].shape[0] == 16
+  if case == "zero_and_nan":
+    util.assert_zero_and_nan_stay_in_their_leaf(_tx("shampoo", mesh), PARAMS, _params,
+                                                _grads, SPECS, mesh, leaf="t", other="stack")
+    return
+  scale = {"tiny": 1e-30, "huge": 1e15}.get(case, 1.0)
+  dtype = jnp.bfloat16 if case == "bfloat16_params" else jnp.float32
+  params = lambda: jax.tree.map(lambda x: x.astype(dtype), _params())  # noqa: E731
+  grads = lambda t: jax.tree.map(lambda g: (g * scale).astype(dtype), _grads(t))  # noqa: E731
+  want, _ = util.run_sharded(_tx("shampoo", False), params(), grads, SPECS, 3)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(_tx("shampoo", mesh), params(), grads, SPECS, 3, mesh)
+  for k in PARAMS:
+    assert got[k].dtype == dtype, (k, got[k].dtype)
+    assert np.isfinite(np.asarray(got[k], np.float32)).all(), k
+  util.assert_close_change(got, want, params(), case, 5e-3 if case == "bfloat16_params"
+                           else 1e-3)
