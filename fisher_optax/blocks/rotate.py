@@ -219,18 +219,10 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
       ``"auto"``: the context mesh's size when ``rotate`` is called
       (``blocks/rotate_owned.py``: ``resolve``, ``devices_for``). The state records
       ``P`` (``RotateOwnedState.load``): an update follows the state it is given.
-    transposable: whether ``inner`` commutes with transposing the matrices it is given
-      (it acts elementwise, as Adam's moments and the identity do), so that the update
-      of ``G^T`` is the transpose of the update of ``G``, its sides swapped. With
-      ``sides="both"`` and ``owners``, the owned state may then keep ``n x m``
-      matrices transposed in the stack of the ``m x n`` ones (``m < n``), where one
-      stack needs fewer slots per device than two (``blocks/rotate_owned.py``,
-      ``owned_views``): a transformer's ``d x f`` and ``f x d`` MLP matrices on a mesh
-      with more devices than either has matrices. The updates are the same in exact
-      arithmetic; in float32 a transposed matrix sums its statistics in another order,
-      which matters where a statistic is singular (a non-square matrix's larger side
-      after one step): the basis of its null space follows the rounding, as it does
-      between any two layouts that sum in different orders.
+    transposable: ``inner`` acts entry by entry (Adam's moments, the identity), so the
+      update of ``G^T`` is that of ``G`` transposed: with ``sides="both"`` and
+      ``owners``, ``n x m`` matrices may share the ``m x n`` ones' stack
+      (``blocks/rotate_owned.py``, ``owned_views``, which says where and at what cost).
   """
   if sides not in _SIDES:
     raise ValueError(f"`sides` must be one of {_SIDES}, got {sides!r}")

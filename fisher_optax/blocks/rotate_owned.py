@@ -90,7 +90,11 @@ def owned_views(rot, lifted, devices: int) -> list:
   ``1376 x 512`` MLP matrices on 32 devices take one slot per device instead of two
   (SOAP's state per device 0.27x -> 0.17x of the parameter bytes, Shampoo's 0.19x ->
   0.12x); on 8 devices, 3 either way, they stay apart (one stack of three slots
-  needed more temporary memory: Shampoo's update 0.16x -> 0.22x)."""
+  needed more temporary memory: Shampoo's update 0.16x -> 0.22x). The updates are the
+  same in exact arithmetic; in float32 a transposed matrix sums its statistics in
+  another order, which matters where a statistic is singular (a non-square matrix's
+  larger side after one step): the basis of its null space follows the rounding, as it
+  does between any two layouts that sum in different orders."""
   views = list(lifted.views)
   if not (rot.sides == "both" and rot.transposable):
     return views
