@@ -7,6 +7,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -785,12 +786,18 @@ def test_on_auto_axes_a_gradient_moves_to_its_columns_where_the_state_is_said_pl
   summed = collectives.traffic(_relay_program(tx(False), auto), 8, refresh=False)[0]
   assert moved.count["all-to-all"] > summed.count["all-to-all"], (moved.sent, summed.sent)
   assert moved.total < summed.total, (moved.total, summed.total)
-  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
-  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
-  want, _ = util.run_sharded(tx(False), params, grads, RELAY_SPECS, 5)
-  with jax.set_mesh(auto):
-    got, _ = util.run_sharded(tx(True), params, grads, RELAY_SPECS, 5, auto)
-  util.assert_close_change(got, want, params, name)
+  _placed_as_unplaced(tx, RELAY_PARAMS, RELAY_SPECS, auto, name)
+
+
+def _placed_as_unplaced(tx, shapes, specs, mesh, what, steps=5):
+  """``tx(True)`` (the state said placed) on ``mesh`` against ``tx(False)`` on one device,
+  ``steps`` steps of random gradients of ``shapes`` laid out as ``specs``: the same updates."""
+  params = util.random_tree(shapes, 0, 0.1)
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(tx(False), params, grads, specs, steps)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(tx(True), params, grads, specs, steps, mesh)
+  util.assert_close_change(got, want, params, what)
 
 
 def _recorded(monkeypatch, name: str) -> list:
@@ -840,12 +847,7 @@ def test_a_random_projection_of_a_row_split_gradient_is_summed_and_scattered_whe
   assert scattered.count.get("reduce-scatter", 0) >= 2, scattered.sent
   assert summed.count.get("reduce-scatter", 0) == 0, summed.sent
   assert scattered.total < 0.7 * summed.total, (scattered.total, summed.total)
-  params = util.random_tree(RELAY_PARAMS, 0, 0.1)
-  grads = lambda t: util.random_tree(RELAY_PARAMS, 100 + 7 * t)  # noqa: E731
-  want, _ = util.run_sharded(tx(False), params, grads, RELAY_SPECS, 5)
-  with jax.set_mesh(auto):
-    got, _ = util.run_sharded(tx(True), params, grads, RELAY_SPECS, 5, auto)
-  util.assert_close_change(got, want, params, "apollo")
+  _placed_as_unplaced(tx, RELAY_PARAMS, RELAY_SPECS, auto, "apollo")
 
 
 @pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow)])
@@ -899,13 +901,8 @@ def test_a_random_projection_scattered_over_two_mesh_axes(monkeypatch):
                      dims={k: fo.MatrixDims() for k in params_shapes},
                      owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=placed))
 
-  params = util.random_tree(params_shapes, 0, 0.1)
-  grads = lambda t: util.random_tree(params_shapes, 100 + 7 * t)  # noqa: E731
-  want, _ = util.run_sharded(tx(False), params, grads, specs, 5)
-  with jax.set_mesh(mesh):
-    got, _ = util.run_sharded(tx(True), params, grads, specs, 5, mesh)
+  _placed_as_unplaced(tx, params_shapes, specs, mesh, "apollo")
   assert ("a", "b") in taken, taken
-  util.assert_close_change(got, want, params, "apollo")
 
 
 @pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow)])
@@ -926,6 +923,63 @@ def test_summed_and_scattered_coefficients_against_the_float64_reference(name, m
   assert ("a",) in taken, taken
   err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
   assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("fira", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape,spec", [((8, 16, 18), P(None, "a", None)),
+                                        ((8, 18, 16), P(None, None, "a"))],
+                         ids=["wide", "tall"])
+def test_coefficients_summed_and_scattered_on_their_rank_against_the_float64_reference(
+    name, shape, spec, monkeypatch):
+  """8 matrices split on their smaller side (16) over the 4 devices of axis ``a`` of a
+  4 x 2 Explicit mesh, their larger side 18 (4 does not divide it) and rank 4:
+  ``fo.state_shardings`` splits the coefficients' state on its ``r`` axis, ``sigma = U^T G``
+  is summed and scattered on that axis (``owners.scatter_rows``), and every update of 7
+  steps (refreshes at 1, 4 and 7) equals the dense float64 re-derivation to float32
+  rounding."""
+  taken = _recorded(monkeypatch, "scatter_rows")
+  grads = util.structured_grads(shape, 7, seed=3)
+  kw = {**registry.WITH_REFERENCE[name], "rank": 4}
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
+  specs = fo.state_partition_specs(tx, {"w": jnp.zeros(shape)}, {"w": spec}, mesh=mesh)
+  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(specs, "mu")
+        if "structured" in jax.tree_util.keystr(path)][0]
+  assert mu == {"w": P(None, "a")}, mu
+  got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
+  assert ("a",) in taken, taken
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+def test_coefficients_scattered_on_their_rank_send_no_more_than_summed():
+  """GaLore on ``Auto`` axes with the specs given and the state said placed, a 64 x 68
+  matrix split on its rows over 8 devices (which do not divide 68; rank 16): the
+  coefficients' state is split on ``r``, and ``sigma = U^T G`` summed and scattered on
+  ``r`` makes an ordinary step send less than leaving the sum to XLA with the state
+  split so (an all-reduce, then the coefficients gathered), and no more than with the
+  state held whole (the all-reduce alone); 5 steps give one device's updates."""
+  shapes, specs = {"w": (64, 68)}, {"w": P("fsdp", None)}
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def tx(placed):
+    return fo.galore(0.01, rank=16, interval=2, stack_matrices=False,
+                     dims={"w": fo.MatrixDims()},
+                     owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=placed))
+
+  def sent(t, state_specs=None):
+    return collectives.traffic(_relay_program(t, auto, state_specs, shapes, specs), 8,
+                               refresh=False)[0]
+
+  whole = lambda sh: jax.tree.map(  # noqa: E731
+      lambda s: NamedSharding(auto, P()), sh, is_leaf=lambda x: isinstance(x, NamedSharding))
+  scattered, summed, held = sent(tx(True)), sent(tx(False)), sent(tx(False), whole)
+  assert scattered.count.get("reduce-scatter", 0) >= 1, scattered.sent
+  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
+  assert scattered.total <= 1.01 * held.total, (scattered.total, held.total)
+  _placed_as_unplaced(tx, shapes, specs, auto, "galore")
 
 
 @pytest.mark.slow

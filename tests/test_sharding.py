@@ -326,8 +326,9 @@ def test_refreshes_of_same_shape_matrices_do_not_deadlock_on_two_host_devices():
 def test_state_specs_use_the_optimizers_own_dims():
   """A conv kernel routed as one ``kh*kw*cin x cout`` (36 x 16) matrix, handled on its
   smaller side ``cout``: Alice's basis ``U`` (``cout x r``) is split where the kernel's
-  ``cout`` axis is, without repeating ``dims``; the ``r x 36`` moments and the 36-vector
-  follow the unsplit merged axes."""
+  ``cout`` axis is, without repeating ``dims``; the ``r x 36`` moments, the coefficients
+  of a matrix split on its smaller side only, are split on their 36 over that axis, and
+  the 36-vector follows the unsplit merged axes."""
   params = {"conv": jax.ShapeDtypeStruct((3, 3, 4, 16), jnp.float32)}
   specs = {"conv": P(None, None, None, "tensor")}
   tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(rows=(0, 1, 2), cols=3),
@@ -336,7 +337,7 @@ def test_state_specs_use_the_optimizers_own_dims():
   mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(got, "mu")
         if "structured" in jax.tree_util.keystr(path)][0]
   assert optax.tree_utils.tree_get(got, "basis")["conv"] == P("tensor")
-  assert mu["conv"] == P() and optax.tree_utils.tree_get(got, "p")["conv"] == P()
+  assert mu["conv"] == P(None, "tensor") and optax.tree_utils.tree_get(got, "p")["conv"] == P()
 
 
 class _Undeclared(NamedTuple):
@@ -418,6 +419,30 @@ def test_coefficient_state_of_a_row_split_matrix_is_split_over_the_rows_axes():
   basis = optax.tree_utils.tree_get(fo.state_partition_specs(tx, params, specs, mesh=mesh),
                                     "basis")
   assert basis["sq"] == P("fsdp")  # U stays split as the rows
+
+
+def test_coefficient_state_where_the_rows_axes_do_not_divide_n_is_split_on_r():
+  """A matrix split on its smaller side only, over mesh axes that do not divide its
+  larger side ``n`` (the 1B LLaMA's 5461-wide MLP matrices, or 344 over 32 devices): the
+  state on its ``r x n`` coefficients is split on ``r`` where they divide it, not held
+  whole on every device; a tall matrix (split on its columns, its smaller side) likewise,
+  on ``n`` (its rows) where they divide it."""
+  params = {"wide": jnp.zeros((16, 18)), "tall": jnp.zeros((18, 16)),
+            "tall_even": jnp.zeros((24, 16))}
+  specs = {"wide": P("fsdp", None), "tall": P(None, "fsdp"), "tall_even": P(None, "fsdp")}
+  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  dims = {k: fo.MatrixDims() for k in params}
+  tx = fo.galore(1e-2, rank=4, dims=dims, stack_matrices=False)
+  odd = fo.galore(1e-2, rank=3, dims=dims, stack_matrices=False)
+
+  def moments(t):
+    out = fo.state_partition_specs(t, params, specs, mesh=mesh)
+    mu = optax.tree_utils.tree_get_all_with_path(out, "mu")
+    return [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+
+  assert moments(tx) == {"wide": P("fsdp"), "tall": P("fsdp"), "tall_even": P(None, "fsdp")}
+  # rank 3: neither r nor n divides over 4 devices: whole
+  assert moments(odd)["wide"] == P() and moments(odd)["tall_even"] == P(None, "fsdp")
 
 
 def test_an_unknown_declared_role_is_an_error():

@@ -161,14 +161,19 @@ class _Tracker:
       if relay is not None:  # sigma = U^T G where the columns are (owners.relay_split)
         gc, u_p = owners.relaid(gc, relay), owners.relaid(u, [])
       if rows:
-        sigma = owners.scattered_projection(u, gc, rows)
+        coeffs = sigma = owners.scattered_projection(u, gc, rows)
+        if owners.coefficient_axis(view.n, rows) == -2:
+          # split on r, as their state is: gathered once for the tracking and any
+          # ``U sigma`` downstream
+          sigma = owners.relaid(sigma, [])
         q = track(sigma, q)
       else:
         sigma, q, _ = step(gc, u_p, q)
+        coeffs = sigma
       if q is not None:
         new_q.append(q)
       new_u.append(u.astype(self.sdtype))
-      out.append(subspace.Subspace(sigma, sigma, u_p, gc, view, g.dtype,
+      out.append(subspace.Subspace(coeffs, sigma, u_p, gc, view, g.dtype,
                                    None if relay is None else tuple(relay)))
     return lifted.unflatten(out), self.state_type(
         count=optax.safe_int32_increment(state.count), basis=lifted.unflatten(new_u),

@@ -506,16 +506,28 @@ def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
     return None
   size = math.prod(_ACTIVE.get().mesh.shape[n] for n in rows)
   m, n, r = view.m, view.n, rank
+  if n % size:  # the state split on its r axis: no column split to move to
+    return None
   if 2 * m * n / size + (m * r if basis_sent else 0) >= stay * r * n:
     return None
   return [(2, name) for name in rows]
 
 
+def coefficient_axis(n: int, axes: tuple) -> int:
+  """The axis of a matrix's ``r x n`` coefficients that ``fo.state_shardings`` splits over
+  the mesh axes ``axes`` of the matrix's rows: ``-1`` (``n``) where they divide ``n``,
+  else ``-2`` (``r``)."""
+  size = math.prod(_ACTIVE.get().mesh.shape[a] for a in axes)
+  return -1 if n % size == 0 else -2
+
+
 def _rows_where_state_is(view, key: str, rank: int, split: Any = False) -> tuple:
-  """The mesh axes that split a gradient's rows, where it is split on its rows only,
-  ``n`` divides over those axes, and every ``r x n`` state array of its parameter splits
-  its ``n`` over them (:func:`_state_split_on_rows`); else ``()``. ``split``: the
-  gradient's split (:func:`view_split`), by default read from the specs given."""
+  """The mesh axes that split a gradient's rows, where it is split on its rows only and
+  every ``r x n`` state array of its parameter is split over those axes as
+  ``fo.state_shardings`` splits it (:func:`_state_split_on_rows`): on ``n`` where they
+  divide it, else on ``r`` where they divide that (:func:`coefficient_axis`); else
+  ``()``. ``split``: the gradient's split (:func:`view_split`), by default read from the
+  specs given."""
   on = _ACTIVE.get()
   if on is None or not on.held:
     return ()
@@ -525,28 +537,36 @@ def _rows_where_state_is(view, key: str, rank: int, split: Any = False) -> tuple
       return ()
     split = view_split(view, entry[1], spread=False)
   rows = tuple(n for a, n in split or [] if a == 1)
-  if (not rows or any(a == 2 for a, _ in split)
-      or view.n % math.prod(on.mesh.shape[n] for n in rows)
-      or not _state_split_on_rows(on, view, key, rank, rows)):
+  if not rows or any(a == 2 for a, _ in split):
+    return ()
+  size = math.prod(on.mesh.shape[n] for n in rows)
+  if view.n % size and rank % size:
+    return ()
+  if not _state_split_on_rows(on, view, key, rank, rows):
     return ()
   return rows
 
 
 def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bool:
-  """Whether every ``r x n`` state array of the parameter at ``key`` has its ``n`` split
-  over the mesh axes ``rows`` (those that split the gradient's rows): read from its type
-  (Explicit mesh axes), or from its role under ``fo.state_shardings``' rules where
-  ``OwnerLayout(state_placed=True)`` says they placed it (role ``auto``, ``r`` not a
-  side, ``n`` the parameter's columns: the rules split no coefficients along its rows)."""
+  """Whether every ``r x n`` state array of the parameter at ``key`` has its axis
+  :func:`coefficient_axis` (``n``, else ``r``) split over the mesh axes ``rows`` (those
+  that split the gradient's rows): read from its type (Explicit mesh axes), or from its
+  role under ``fo.state_shardings``' rules where ``OwnerLayout(state_placed=True)`` says
+  they placed it (role ``auto``, ``r`` not a side: the rules split the coefficients of a
+  matrix split on its smaller side only so, and no others along those axes)."""
   m, n = view.m, view.n
-  for shape, sp in [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)]:
+  axis = coefficient_axis(n, rows)
+  at = len(view.batch_shape) + 2 + axis
+  held = [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)]
+  if axis == -2 and not held:  # no state of the coefficients to keep them split on r
+    return False
+  for shape, sp in held:
     if isinstance(sp, str):
-      if (sp != "auto" or r in (m, n) or len(shape) != len(view.batch_shape) + 2
-          or (view.transpose and view.fan_in != view.fan_out)):
+      if sp != "auto" or r in (m, n) or len(shape) != len(view.batch_shape) + 2:
         return False
       continue
-    last = (list(sp) + [None] * 8)[len(view.batch_shape) + 1]
-    names = () if last is None else last if isinstance(last, tuple) else (last,)
+    entry = (list(sp) + [None] * 8)[at]
+    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
     if tuple(names) != rows:
       return False
   return True
@@ -555,29 +575,35 @@ def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bo
 def scatter_rows(view, key: str, rank: int) -> tuple:
   """The mesh axes over which ``sigma = U^T G`` is summed and scattered at once
   (:func:`scattered_projection`), else ``()``: where a gradient is split on its rows only
-  (its split known), ``n`` divides over those axes, and every ``r x n`` state array of the
-  parameter splits its ``n`` over them (:func:`relay_split`'s test). Its coefficients then
-  stay where their state is (:func:`coefficient_layout`): one reduce-scatter of the
-  ``r x n`` coefficients, half the bytes of the all-reduce that left them on every device
-  (XLA:CPU's partitioner does not turn an all-reduce and a slice into one). APOLLO's
-  source takes it wherever it applies; a low-rank source where :func:`relay_split`
-  declines to move the gradient (few devices on the rows against the rank)."""
+  (its split known) and every ``r x n`` state array of the parameter is split over those
+  axes, on ``n`` where they divide it, else on ``r`` (:func:`_rows_where_state_is`). Its
+  coefficients then stay where their state is (:func:`coefficient_layout`): one
+  reduce-scatter of the ``r x n`` coefficients, half the bytes of the all-reduce that
+  left them on every device (XLA:CPU's partitioner does not turn an all-reduce and a
+  slice into one; with the state split on ``r``, at the tiny LLaMA's shapes under FSDP
+  over 32 CPU devices, whose 344 columns do not divide, GaLore sent 0.320x of the
+  parameter bytes per step that way, 0.255x scattered). APOLLO's source takes it
+  wherever it applies; a low-rank source where :func:`relay_split` declines to move the
+  gradient (few devices on the rows against the rank, or columns they do not divide)."""
   return _rows_where_state_is(view, key, rank)
 
 
 def scattered_projection(basis: jax.Array, a: jax.Array, rows: tuple) -> jax.Array:
   """``U^T A`` (``basis``: ``... x m x r``; ``a``: ``... x m x n``, its rows split over
   the mesh axes ``rows``) in a ``shard_map``: each device's rows give a partial product,
-  and one ``psum_scatter`` sums them and leaves the ``n`` axis split over ``rows``."""
+  and one ``psum_scatter`` sums them and leaves the ``r x n`` product split over ``rows``
+  on the axis :func:`coefficient_axis` names (``n``, else ``r``), as its state is."""
   on = _ACTIVE.get()
   lead = [None] * (a.ndim - 2)
   split_rows = P(*lead, rows, None)
+  axis = coefficient_axis(a.shape[-1], rows)
 
   def local(u, x):
-    return jax.lax.psum_scatter(linalg.project_rows(u, x), rows, scatter_dimension=x.ndim - 1,
-                                tiled=True)
+    return jax.lax.psum_scatter(linalg.project_rows(u, x), rows,
+                                scatter_dimension=x.ndim + axis, tiled=True)
 
-  return jax.shard_map(local, in_specs=(split_rows, split_rows), out_specs=P(*lead, None, rows),
+  out = P(*lead, None, rows) if axis == -1 else P(*lead, rows, None)
+  return jax.shard_map(local, in_specs=(split_rows, split_rows), out_specs=out,
                        check_vma=False, **_mesh_argument(on.mesh))(basis, a)
 
 
@@ -684,8 +710,13 @@ def coefficient_layout(coeffs: Any, views: list, moved: Optional[list] = None) -
     elif spec is not None:
       split = view_split(view, spec, spread=False)
       if split is not None:  # the sum over the split rows left where the state keeps them
-        split = split + [(2, n) for n in _rows_where_state_is(view, k, jnp.shape(x)[-2],
-                                                              split)]
+        kept = _rows_where_state_is(view, k, jnp.shape(x)[-2], split)
+        if kept and coefficient_axis(view.n, kept) == -2:
+          rspec = P(*([None] * (jnp.ndim(x) - 2)), kept, None)
+          derived[k] = (tuple(jnp.shape(x)), rspec)
+          out.append(_constrain(x, rspec, on.mesh))
+          continue
+        split = split + [(2, n) for n in kept]
     elif not entries and _split_axes(on.mesh) == 1:
       # a gradient whose split is not known, on a mesh of one axis: FSDP's, as the
       # exchange guesses it (a guess on a mesh of several axes moved the coefficients

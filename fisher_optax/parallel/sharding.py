@@ -10,12 +10,15 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
 * each remaining axis takes the spec of the parameter's matrix axis of the same size
   (moments ``r x n`` are split where the parameter's ``n`` axis is, scaling vectors
   likewise, Adam moments exactly like the parameter); where the parameter is split on
-  its rows only (FSDP's split of a square matrix), the ``n`` axis of such ``r x n``
-  state is split over the rows' mesh axes when a ``mesh`` is given and they divide it
-  (held whole on every device, these moments kept one device's optimizer state at 0.93x
-  Adam's for GaLore and 1.03x for Alice at the tiny LLaMA's shapes, FSDP over 8 CPU
-  devices; split so, 0.59x and 0.69x, for 0.044x of the parameter bytes more sent per
-  step: the coefficients gathered for ``U coeffs``); fields whose state NamedTuple
+  its smaller side only (FSDP's split of a square matrix), the ``n`` axis of such
+  ``r x n`` state is split over that side's mesh axes when a ``mesh`` is given and they
+  divide it (held whole on every device, these moments kept one device's optimizer
+  state at 0.93x Adam's for GaLore and 1.03x for Alice at the tiny LLaMA's shapes, FSDP
+  over 8 CPU devices; split so, 0.59x and 0.69x, for 0.044x of the parameter bytes more
+  sent per step: the coefficients gathered for ``U coeffs``), and else its ``r`` axis
+  where they divide that (the 1B LLaMA's 5461-wide MLP matrices, FSDP over 8 CPU
+  devices: GaLore's state per device 1.4x Adam's held whole, 0.36x split on ``r``, for
+  the same bytes sent per step); fields whose state NamedTuple
   declares a role in its ``SHARDING`` class attribute follow it, not their name: ``d x d``
   rotation statistics and bases (``left_square``/``right_square``) are split on their first
   axis only, a larger side's low-rank basis (``columns``) as a square parameter's columns
@@ -101,12 +104,17 @@ def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
         cands = [cands[pos if len(trailing) == 2 else (-1 if role != "rows" else 0)]]
       entry = cands[0][1] if cands else None
       if (entry is None and mesh is not None and role == "auto" and pos == 1
-          and len(trailing) == 2 and cands and cands[0] is cols
+          and len(trailing) == 2 and cands
+          and (cands[0] is cols or rows[0] > cols[0])
           and trailing[0] not in (rows[0], cols[0])):
-        # the state of a matrix's coefficients (r x n) where the matrix is split on its
-        # rows only: n split over the rows' mesh axes (where they divide it), not held
-        # whole on every device
-        entry = rows[1]
+        # the state of a matrix's coefficients (r x n, n its larger side) where the
+        # matrix is split on its smaller side only: n split over that side's mesh axes
+        # (where they divide it), not held whole on every device; where they do not
+        # divide n, r split over them instead
+        entry = (rows if cands[0] is cols else cols)[1]
+        size = _axis_size(mesh, entry)
+        if trailing[1] % size and not trailing[0] % size and entries[-1] is None:
+          entries[-1], entry = entry, None
       entries.append(entry)
   used, out = set(), []
   for d, e in zip(shape, entries):
