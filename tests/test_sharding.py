@@ -445,6 +445,29 @@ def test_coefficient_state_where_the_rows_axes_do_not_divide_n_is_split_on_r():
   assert moments(odd)["wide"] == P() and moments(odd)["tall_even"] == P(None, "fsdp")
 
 
+def test_a_checkpoint_of_whole_coefficient_state_restores_split_on_r(tmp_path):
+  """A GaLore state whose ``r x n`` moments were held whole on every device, as
+  ``fo.state_shardings`` placed them where the rows' mesh axes do not divide ``n``,
+  saved with orbax and restored with today's shardings: the moments come back split on
+  ``r``, and 3 more steps on the mesh give the updates of the saved state continued on
+  one device."""
+  shapes, specs = {"w": (16, 18)}, {"w": P("fsdp", None)}
+  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+  tx = fo.galore(0.01, rank=4, interval=2, dims={"w": fo.MatrixDims()}, stack_matrices=False)
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  p2, s2 = util.run_sharded(tx, util.random_tree(shapes, 0, 0.1), grads, specs, 3)
+  whole = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), s2)
+  _save(tmp_path / "ckpt", jax.device_put(p2, NamedSharding(mesh, specs["w"])), whole)
+  rp, rs = util.restore_onto(tmp_path / "ckpt", tx, p2, s2, specs, mesh)
+  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(rs, "mu")
+        if "structured" in jax.tree_util.keystr(path)][0]["w"]
+  assert mu.sharding.spec == P("fsdp"), mu.sharding
+  want, _ = util.run_sharded(tx, p2, grads, specs, 3, state=s2, start=3)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(tx, rp, grads, specs, 3, mesh, state=rs, start=3)
+  util.assert_close_change(got, want, p2, "galore restored")
+
+
 def test_an_unknown_declared_role_is_an_error():
   class Bad(NamedTuple):
     x: Any
