@@ -67,55 +67,73 @@ def _axis_size(mesh: Optional[Mesh], entry) -> int:
 
 
 def _leaf_spec(shape, role, pshape, pspec, dims, mesh) -> P:
+  """The spec of a state leaf of ``shape`` and ``role`` that belongs to a parameter of
+  shape ``pshape`` split as ``pspec`` (the rules of the module docstring)."""
   if role == "replicated":
     return P()
   pent = _spec_entries(pspec, len(pshape))
   if tuple(shape) == tuple(pshape):
-    entries = pent
-  else:
-    if len(pshape) < 2:
-      return P()
-    view = matrices.matrix_view(pshape, dims)
-    batch = view.batch_axes
-    nb = len(batch)
-    if tuple(shape[:nb]) != tuple(pshape[a] for a in batch):
-      return P()
-    entries = [pent[a] for a in batch]
-    trailing = list(shape[nb:])
-    # each matrix side: (its size, the spec of its major axis; merged axes are sharded
-    # like their first axis, which a row-major reshape keeps contiguous)
-    rows = (view.fan_in, pent[view.rows[0]])
-    cols = (view.fan_out, pent[view.cols[0]])
-    sides = [rows] if role == "rows" else [rows, cols]
-    for pos, d in enumerate(trailing):
-      if role in ("left_square", "right_square"):
-        if pos:
-          entries.append(None)
-          continue
-        cands = [sd for sd in sides if sd[0] == d]
-        if len(cands) > 1:
-          cands = [rows if role == "left_square" else cols]
-        entries.append(cands[0][1] if cands else None)
+    return _usable(shape, pent, mesh)
+  if len(pshape) < 2:
+    return P()
+  view = matrices.matrix_view(pshape, dims)
+  batch = view.batch_axes
+  if tuple(shape[:len(batch)]) != tuple(pshape[a] for a in batch):
+    return P()
+  # each matrix side: (its size, the spec of its major axis; merged axes are sharded
+  # like their first axis, which a row-major reshape keeps contiguous)
+  rows = (view.fan_in, pent[view.rows[0]])
+  cols = (view.fan_out, pent[view.cols[0]])
+  trailing = _matrix_entries(list(shape[len(batch):]), role, rows, cols, mesh)
+  return _usable(shape, [pent[a] for a in batch] + trailing, mesh)
+
+
+def _matrix_entries(trailing: list, role, rows: tuple, cols: tuple, mesh) -> list:
+  """The entries of a state leaf's axes past its parameter's batch axes (sizes
+  ``trailing``), from the matrix sides ``rows`` and ``cols`` (``(size, entry)``)."""
+  sides = [rows] if role == "rows" else [rows, cols]
+  entries = []
+  for pos, d in enumerate(trailing):
+    if role in ("left_square", "right_square"):
+      if pos:
+        entries.append(None)
         continue
       cands = [sd for sd in sides if sd[0] == d]
-      if len(cands) > 1 and role == "columns" and cols[1] is not None and pos == 0:
-        cands = [cols]  # a square parameter's split columns (tensor parallelism)
-      if len(cands) > 1:  # square parameter: positional (rows first) unless a vector
-        cands = [cands[pos if len(trailing) == 2 else (-1 if role != "rows" else 0)]]
-      entry = cands[0][1] if cands else None
-      if (entry is None and mesh is not None and role == "auto" and pos == 1
-          and len(trailing) == 2 and cands
-          and (cands[0] is cols or rows[0] > cols[0])
-          and trailing[0] not in (rows[0], cols[0])):
-        # the state of a matrix's coefficients (r x n, n its larger side) where the
-        # matrix is split on its smaller side only: n split over that side's mesh axes
-        # (where they divide it), not held whole on every device; where they do not
-        # divide n, r split over them instead
-        entry = (rows if cands[0] is cols else cols)[1]
-        size = _axis_size(mesh, entry)
-        if trailing[1] % size and not trailing[0] % size and entries[-1] is None:
-          entries[-1], entry = entry, None
-      entries.append(entry)
+      if len(cands) > 1:
+        cands = [rows if role == "left_square" else cols]
+      entries.append(cands[0][1] if cands else None)
+      continue
+    cands = [sd for sd in sides if sd[0] == d]
+    if len(cands) > 1 and role == "columns" and cols[1] is not None and pos == 0:
+      cands = [cols]  # a square parameter's split columns (tensor parallelism)
+    if len(cands) > 1:  # square parameter: positional (rows first) unless a vector
+      cands = [cands[pos if len(trailing) == 2 else (-1 if role != "rows" else 0)]]
+    entry = cands[0][1] if cands else None
+    if (entry is None and mesh is not None and role == "auto" and pos == 1
+        and len(trailing) == 2 and cands
+        and (cands[0] is cols or rows[0] > cols[0])
+        and trailing[0] not in (rows[0], cols[0])):
+      entries[-1], entry = _coefficient_split(
+          trailing, (rows if cands[0] is cols else cols)[1], entries[-1], mesh)
+    entries.append(entry)
+  return entries
+
+
+def _coefficient_split(trailing: list, axes, r_entry, mesh) -> tuple:
+  """The entries ``(r, n)`` of the state of a matrix's ``r x n`` coefficients (``n`` its
+  larger side) where the matrix is split on its smaller side only, over the mesh axes
+  ``axes``: ``n`` split over them where they divide it, not held whole on every device;
+  where they do not, ``r`` split over them where they divide that and ``r`` has no entry
+  yet (``r_entry``)."""
+  size = _axis_size(mesh, axes)
+  if trailing[1] % size and not trailing[0] % size and r_entry is None:
+    return axes, None
+  return r_entry, axes
+
+
+def _usable(shape, entries: list, mesh) -> P:
+  """``entries`` as a ``PartitionSpec``: each mesh axis used once (the first time), and
+  only where its size divides the dimension (with a ``mesh``)."""
   used, out = set(), []
   for d, e in zip(shape, entries):
     names = e if isinstance(e, tuple) else ((e,) if e is not None else ())
