@@ -7,7 +7,6 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -789,14 +788,18 @@ def test_on_auto_axes_a_gradient_moves_to_its_columns_where_the_state_is_said_pl
   _placed_as_unplaced(tx, RELAY_PARAMS, RELAY_SPECS, auto, name)
 
 
-def _placed_as_unplaced(tx, shapes, specs, mesh, what, steps=5):
+def _placed_as_unplaced(tx, shapes, specs, mesh, what, steps=5, scale=1.0):
   """``tx(True)`` (the state said placed) on ``mesh`` against ``tx(False)`` on one device,
-  ``steps`` steps of random gradients of ``shapes`` laid out as ``specs``: the same updates."""
+  ``steps`` steps of random gradients of ``shapes`` (times ``scale``) laid out as
+  ``specs``: the same finite updates."""
   params = util.random_tree(shapes, 0, 0.1)
-  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  grads = lambda t: jax.tree.map(lambda g: g * scale,  # noqa: E731
+                                 util.random_tree(shapes, 100 + 7 * t))
   want, _ = util.run_sharded(tx(False), params, grads, specs, steps)
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(tx(True), params, grads, specs, steps, mesh)
+  for k in shapes:
+    assert np.isfinite(np.asarray(got[k])).all(), k
   util.assert_close_change(got, want, params, what)
 
 
@@ -945,8 +948,7 @@ def test_coefficients_summed_and_scattered_on_their_rank_against_the_float64_ref
   mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
   specs = fo.state_partition_specs(tx, {"w": jnp.zeros(shape)}, {"w": spec}, mesh=mesh)
-  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(specs, "mu")
-        if "structured" in jax.tree_util.keystr(path)][0]
+  mu = util.coefficient_moments(specs)
   assert mu == {"w": P(None, "a")}, mu
   got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
   assert ("a",) in taken, taken
@@ -980,6 +982,29 @@ def test_coefficients_scattered_on_their_rank_send_no_more_than_summed():
   assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
   assert scattered.total <= 1.01 * held.total, (scattered.total, held.total)
   _placed_as_unplaced(tx, shapes, specs, auto, "galore")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["galore", "alice"])
+@pytest.mark.parametrize("scale", [1e-30, 1e15], ids=["tiny", "huge"])
+def test_tiny_and_huge_gradients_summed_and_scattered_on_their_rank(name, scale, monkeypatch):
+  """Gradients near 1e-30 and near 1e15 of a 64 x 65 matrix split on its rows over the 2
+  devices of axis ``a`` of a 2 x 4 mesh (they do not divide 65: ``U^T G`` summed and
+  scattered on ``r``, the state said placed): 4 steps with refreshes every 2 give one
+  device's finite updates."""
+  shapes, specs = {"sq": (64, 65)}, {"sq": P("a", None)}
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def tx(placed):
+    return getattr(fo, name)(0.01, rank=16, interval=2, stack_matrices=False,
+                             dims={"sq": fo.MatrixDims()},
+                             owner_layout=fo.OwnerLayout(param_specs=specs,
+                                                         state_placed=placed),
+                             **(dict(leading=4) if name == "alice" else {}))
+
+  taken = _recorded(monkeypatch, "scatter_rows")
+  _placed_as_unplaced(tx, shapes, specs, mesh, name, steps=4, scale=scale)
+  assert ("a",) in taken, taken
 
 
 @pytest.mark.slow

@@ -151,8 +151,7 @@ def test_state_specs_follow_parameter_axes():
   assert get("basis")["wt"] == P("tensor")                 # tall: canonical m = columns
   assert get("tracked")["w"] == P()                         # r x r replicated
   assert get("p")["w"] == P("tensor")                       # n-vector split like columns
-  mu = optax.tree_utils.tree_get_all_with_path(specs, "mu")
-  coeff = [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+  coeff = util.coefficient_moments(specs)
   assert coeff["w"] == P(None, "tensor") and coeff["stack"] == P(None, None, "tensor")
   racs = fo.state_partition_specs(fo.racs(0.01, stack_matrices=False), _params(), SPECS,
                                   mesh=_mesh())
@@ -334,8 +333,7 @@ def test_state_specs_use_the_optimizers_own_dims():
   tx = fo.alice(0.01, rank=4, leading=2, dims=fo.MatrixDims(rows=(0, 1, 2), cols=3),
                 stack_matrices=False)
   got = fo.state_partition_specs(tx, params, specs, mesh=_mesh())
-  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(got, "mu")
-        if "structured" in jax.tree_util.keystr(path)][0]
+  mu = util.coefficient_moments(got)
   assert optax.tree_utils.tree_get(got, "basis")["conv"] == P("tensor")
   assert mu["conv"] == P(None, "tensor") and optax.tree_utils.tree_get(got, "p")["conv"] == P()
 
@@ -410,9 +408,7 @@ def test_coefficient_state_of_a_row_split_matrix_is_split_over_the_rows_axes():
                  stack_matrices=False)
 
   def moments(**kw):
-    out = fo.state_partition_specs(tx, params, specs, **kw)
-    mu = optax.tree_utils.tree_get_all_with_path(out, "mu")
-    return [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+    return util.coefficient_moments(fo.state_partition_specs(tx, params, specs, **kw))
 
   assert moments(mesh=mesh) == {"sq": P(None, "fsdp"), "odd": P(), "col": P(None, "fsdp")}
   assert moments() == {"sq": P(), "odd": P(), "col": P(None, "fsdp")}
@@ -436,9 +432,7 @@ def test_coefficient_state_where_the_rows_axes_do_not_divide_n_is_split_on_r():
   odd = fo.galore(1e-2, rank=3, dims=dims, stack_matrices=False)
 
   def moments(t):
-    out = fo.state_partition_specs(t, params, specs, mesh=mesh)
-    mu = optax.tree_utils.tree_get_all_with_path(out, "mu")
-    return [v for path, v in mu if "structured" in jax.tree_util.keystr(path)][0]
+    return util.coefficient_moments(fo.state_partition_specs(t, params, specs, mesh=mesh))
 
   assert moments(tx) == {"wide": P("fsdp"), "tall": P("fsdp"), "tall_even": P(None, "fsdp")}
   # rank 3: neither r nor n divides over 4 devices: whole
@@ -459,8 +453,7 @@ def test_a_checkpoint_of_whole_coefficient_state_restores_split_on_r(tmp_path):
   whole = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), s2)
   _save(tmp_path / "ckpt", jax.device_put(p2, NamedSharding(mesh, specs["w"])), whole)
   rp, rs = util.restore_onto(tmp_path / "ckpt", tx, p2, s2, specs, mesh)
-  mu = [v for path, v in optax.tree_utils.tree_get_all_with_path(rs, "mu")
-        if "structured" in jax.tree_util.keystr(path)][0]["w"]
+  mu = util.coefficient_moments(rs)["w"]
   assert mu.sharding.spec == P("fsdp"), mu.sharding
   want, _ = util.run_sharded(tx, p2, grads, specs, 3, state=s2, start=3)
   with jax.set_mesh(mesh):

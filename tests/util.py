@@ -133,6 +133,14 @@ def grads_at(params, t):
       params)
 
 
+def coefficient_moments(tree):
+  """The structured rule's first moments ``mu`` (Adam's, on a low-rank source's
+  coefficients) in ``tree``: an optimizer state, or its ``PartitionSpec`` tree."""
+  import optax
+  return [v for path, v in optax.tree_utils.tree_get_all_with_path(tree, "mu")
+          if "structured" in jax.tree_util.keystr(path)][0]
+
+
 def run_sharded(tx, params, grads, specs, steps, mesh=None, state=None, start=0,
                 donate=False):
   """``steps`` jitted steps of ``tx`` from ``params`` (``grads(t)``: the gradients of step
