@@ -956,18 +956,20 @@ def test_coefficients_summed_and_scattered_on_their_rank_against_the_float64_ref
   assert err < 1e-4, err
 
 
-def test_coefficients_scattered_on_their_rank_send_no_more_than_summed():
+def test_coefficients_scattered_on_their_rank_send_no_more_than_summed(monkeypatch):
   """GaLore on ``Auto`` axes with the specs given and the state said placed, a 64 x 68
-  matrix split on its rows over 8 devices (which do not divide 68; rank 16): the
-  coefficients' state is split on ``r``, and ``sigma = U^T G`` summed and scattered on
-  ``r`` makes an ordinary step send less than leaving the sum to XLA with the state
-  split so (an all-reduce, then the coefficients gathered), and no more than with the
-  state held whole (the all-reduce alone); 5 steps give one device's updates."""
+  matrix split on its rows over 8 devices (which do not divide 68; rank 8, so moving it
+  to its columns would send more): the coefficients' state is split on ``r``, and
+  ``sigma = U^T G`` summed and scattered on ``r`` makes an ordinary step send less than
+  leaving the sum to XLA with the state split so (an all-reduce, then the coefficients
+  gathered), and no more than with the state held whole (the all-reduce alone); 5 steps
+  give one device's updates."""
   shapes, specs = {"w": (64, 68)}, {"w": P("fsdp", None)}
   auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  moved = _recorded(monkeypatch, "relay_split")
 
   def tx(placed):
-    return fo.galore(0.01, rank=16, interval=2, stack_matrices=False,
+    return fo.galore(0.01, rank=8, interval=2, stack_matrices=False,
                      dims={"w": fo.MatrixDims()},
                      owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=placed))
 
@@ -978,10 +980,71 @@ def test_coefficients_scattered_on_their_rank_send_no_more_than_summed():
   whole = lambda sh: jax.tree.map(  # noqa: E731
       lambda s: NamedSharding(auto, P()), sh, is_leaf=lambda x: isinstance(x, NamedSharding))
   scattered, summed, held = sent(tx(True)), sent(tx(False)), sent(tx(False), whole)
+  assert moved and not any(moved), moved
   assert scattered.count.get("reduce-scatter", 0) >= 1, scattered.sent
   assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
   assert scattered.total <= 1.01 * held.total, (scattered.total, held.total)
   _placed_as_unplaced(tx, shapes, specs, auto, "galore")
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("fira", marks=pytest.mark.slow)])
+def test_a_gradient_moves_to_columns_the_devices_do_not_divide(name, monkeypatch):
+  """A 16 x 68 matrix split on its rows over 8 ``Auto`` devices (which do not divide 68;
+  rank 8), the specs given and the state said placed: its coefficients' state is split
+  on ``r``, and moving the gradient to its columns, split unevenly, with the
+  coefficients crossing to their state and back, sends less than summing and
+  scattering ``sigma = U^T G`` on ``r`` (``owners.relay_split`` turned off); 5 steps
+  give one device's updates."""
+  shapes, specs = {"w": (16, 68)}, {"w": P("fsdp", None)}
+  auto = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  moved = _recorded(monkeypatch, "relay_split")
+
+  def tx(placed):
+    return getattr(fo, name)(0.01, rank=8, interval=2, stack_matrices=False,
+                             dims={"w": fo.MatrixDims()},
+                             owner_layout=fo.OwnerLayout(param_specs=specs,
+                                                         state_placed=placed),
+                             **(dict(leading=4) if name == "alice" else {}))
+
+  mu = util.coefficient_moments(fo.state_partition_specs(
+      tx(True), {"w": jnp.zeros(shapes["w"])}, specs, mesh=auto))
+  assert mu == {"w": P("fsdp")}, mu
+  program = lambda: _relay_program(tx(True), auto, None, shapes, specs)  # noqa: E731
+  relayed = collectives.traffic(program(), 8, refresh=False)[0]
+  assert moved and moved[0] == [(2, "fsdp")], moved
+  assert relayed.count.get("all-to-all", 0) >= 2, relayed.sent
+  monkeypatch.setattr(owners, "relay_split", lambda *a, **kw: None)
+  scattered = collectives.traffic(program(), 8, refresh=False)[0]
+  assert scattered.count.get("reduce-scatter", 0) >= 1, scattered.sent
+  assert relayed.total < 0.8 * scattered.total, (relayed.total, scattered.total)
+  monkeypatch.undo()
+  _placed_as_unplaced(tx, shapes, specs, auto, name)
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("fira", marks=pytest.mark.slow)])
+def test_moved_to_columns_the_devices_do_not_divide_against_the_float64_reference(
+    name, monkeypatch):
+  """8 matrices 16 x 66 split on their rows over the 8 devices of an Explicit mesh (8
+  does not divide 66; rank 8), the coefficients' state split on ``r`` as
+  ``fo.state_shardings`` lays it out: each gradient moves to its columns, split
+  unevenly (``owners.relay_split``), and every update of 7 steps (refreshes at 1, 4 and
+  7) equals the dense float64 re-derivation to float32 rounding."""
+  shape = (8, 16, 66)
+  moved = _recorded(monkeypatch, "relay_split")
+  grads = util.structured_grads(shape, 7, seed=3)
+  kw = {**registry.WITH_REFERENCE[name], "rank": 8}
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
+  specs = fo.state_partition_specs(tx, {"w": jnp.zeros(shape)}, {"w": P(None, "fsdp", None)},
+                                   mesh=mesh)
+  assert util.coefficient_moments(specs) == {"w": P(None, "fsdp")}, specs
+  got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", None))
+  assert moved and moved[0] == [(2, "fsdp")], moved
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
 
 
 @pytest.mark.slow

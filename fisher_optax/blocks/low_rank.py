@@ -151,8 +151,10 @@ class _Tracker:
       u = u.reshape(u_old.shape)
       if q is not None:
         q = q.reshape(view.batch_shape + q.shape[-2:])
-      relay = (owners.relay_split(view, key, u.shape[-1]) if self.side == "smaller"
-               else None)
+      # summed on r instead, sigma is gathered only where it is tracked
+      relay = (owners.relay_split(view, key, u.shape[-1],
+                                  stay_on_r=3.0 if self.has_tracking else 2.0)
+               if self.side == "smaller" else None)
       # where the move does not pay, sigma summed over the split rows and scattered where
       # its state is (owners.scatter_rows): half the bytes of an all-reduce
       rows = (owners.scatter_rows(view, key, u.shape[-1])

@@ -479,12 +479,14 @@ def state_held(state: Any, specs: dict, placed: bool = False) -> dict:
 
 
 def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
+                stay_on_r: Optional[float] = None,
                 basis_sent: bool = True) -> Optional[list]:
   """Where a low-rank source moves a gradient split on its rows only to a split of its
   columns before ``sigma = U^T G`` (``[(2, mesh axis), ...]``), else ``None``.
 
   ``stay``: what not moving sends, in multiples of ``r n`` (3 for a tracked basis, as
   below; 1 for a random projection, whose sum is scattered where its state is);
+  ``stay_on_r``: the same where the state is split on ``r`` (below; default ``stay``);
   ``basis_sent``: whether moving sends the basis (not one drawn on every device).
 
   Split on its rows over ``R`` devices, ``U^T G`` is a sum over them: an all-reduce of
@@ -500,15 +502,30 @@ def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
   would be gathered back at every step (MaxText's state, named without a mesh: GaLore
   0.21x -> 0.44x of the parameter bytes per step). With the state split, at the 60M
   LLaMA's shapes under FSDP over 32 CPU devices: GaLore 0.105x -> 0.044x, Alice 0.120x
-  -> 0.075x, Alice-SOAP 0.186x -> 0.107x; over 8 devices GaLore 0.095x -> 0.063x."""
+  -> 0.075x, Alice-SOAP 0.186x -> 0.107x; over 8 devices GaLore 0.095x -> 0.063x.
+
+  Where the devices do not divide ``n``, the state is split on ``r``. Not moving is then
+  one reduce-scatter of ``U^T G`` on ``r`` and the coefficients gathered
+  (:func:`scatter_rows`), ``2 r n``, and ``sigma`` gathered where the source tracks it
+  (``stay_on_r``). Moving splits the columns unevenly (XLA pads them to ``n'``, the next
+  multiple of ``R``) and the coefficients cross to their state and back, ``2 r n' / R``
+  more. At the tiny LLaMA's shapes under FSDP over 32 CPU devices (its 128 x 344 MLP
+  matrices): GaLore 0.255x -> 0.135x, Alice 0.391x -> 0.183x, Fira 0.358x -> 0.141x;
+  APOLLO 0.122x -> 0.049x (its bases drawn where the columns are,
+  :func:`drawn_projections`). At the 1B LLaMA's (2048 x 5461) over 8: Alice 0.561x ->
+  0.442x, Fira 0.527x -> 0.384x, GaLore 0.395x -> 0.384x, the update's temporary
+  memory 0.08x to 0.17x more (the bases gathered)."""
   rows = _rows_where_state_is(view, key, rank)
   if not rows:
     return None
   size = math.prod(_ACTIVE.get().mesh.shape[n] for n in rows)
   m, n, r = view.m, view.n, rank
-  if n % size:  # the state split on its r axis: no column split to move to
-    return None
-  if 2 * m * n / size + (m * r if basis_sent else 0) >= stay * r * n:
+  if n % size:  # the state split on r: the coefficients cross to it and back
+    even = -(-n // size) * size
+    sent = 2 * m * even / size + (m * r if basis_sent else 0) + 2 * r * even / size
+    if sent >= (stay if stay_on_r is None else stay_on_r) * r * n:
+      return None
+  elif 2 * m * n / size + (m * r if basis_sent else 0) >= stay * r * n:
     return None
   return [(2, name) for name in rows]
 
@@ -557,7 +574,9 @@ def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bo
   m, n = view.m, view.n
   axis = coefficient_axis(n, rows)
   at = len(view.batch_shape) + 2 + axis
-  held = [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)]
+  # r x n arrays of the matrices' own batch (not a batch x n vector whose batch is r)
+  held = [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)
+          and len(e[0]) == len(view.batch_shape) + 2]
   if axis == -2 and not held:  # no state of the coefficients to keep them split on r
     return False
   for shape, sp in held:
@@ -630,8 +649,12 @@ def drawn_projections(draw: Callable, key: jax.Array, leaves: list) -> list:
   ``draw(key, i, m, r)`` is matrix ``i``'s ``m x r`` basis. Leaves of one local shape
   share a ``shard_map`` whose loop draws each basis and projects the local columns with
   it, so no basis crosses between devices and one is held at a time (a loop step per
-  matrix); returns ``k x r x n`` per leaf, split as its gradient's columns."""
+  matrix); returns ``k x r x n`` per leaf, split as its gradient's columns. Columns the
+  devices do not divide (:func:`relay_split`) are padded with zeros to a multiple of
+  their count for the ``shard_map``, and the padding's coefficients dropped."""
   on = _ACTIVE.get()
+  widths = [g.shape[-1] for _, g, _, _ in leaves]
+  leaves = [(i, _even_columns(g, axes), axes, r) for i, g, axes, r in leaves]
   groups: dict = {}
   for i, (_, g, axes, r) in enumerate(leaves):
     groups.setdefault((g.shape[1:], g.dtype, axes, r), []).append(i)
@@ -666,8 +689,16 @@ def drawn_projections(draw: Callable, key: jax.Array, leaves: list) -> list:
                         out_specs=[spec] * len(gs), check_vma=False,
                         **_mesh_argument(on.mesh))(key, idx, gs)
     for i, r in zip(members, res):
-      out[i] = r
+      out[i] = r[..., :widths[i]]
   return out
+
+
+def _even_columns(x: jax.Array, axes: tuple) -> jax.Array:
+  """``x`` with zero columns appended up to a multiple of the size of the mesh axes
+  ``axes`` (unchanged where it divides)."""
+  size = math.prod(_ACTIVE.get().mesh.shape[a] for a in axes)
+  pad = -x.shape[-1] % size
+  return x if not pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
 def relaid(x: jax.Array, split: list) -> jax.Array:
