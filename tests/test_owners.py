@@ -1072,60 +1072,71 @@ def test_tiny_and_huge_gradients_summed_and_scattered_on_their_rank(name, scale,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["apollo", "apollo_drawn", "galore", "galore_rank",
-                                  "alice_rank"])
+                                  "alice_rank", "galore_moved", "alice_moved",
+                                  "apollo_moved"])
 def test_zero_and_nan_gradients_of_a_scattered_projection(name, monkeypatch):
   """A zero or NaN gradient in a row-split matrix whose ``U^T G`` is summed and
   scattered (APOLLO on 8 devices; GaLore where the move declines, 2 devices on the rows
   of a 2 x 4 mesh; GaLore and Alice on ``r`` where those 2 do not divide the 65
   columns), or projected where its columns are with bases drawn on every device
-  (APOLLO at rank 32, ``owners.drawn_projections``): the update of one device, the
-  degenerate leaf alone affected."""
-  if name.startswith("apollo"):
+  (APOLLO at rank 32, ``owners.drawn_projections``), or a 16 x 68 one split on its rows
+  over all 8 devices, which do not divide 68, moved to its columns split unevenly
+  (rank 8, ``owners.relay_split``): the update of one device, the degenerate leaf alone
+  affected."""
+  if name in ("apollo", "apollo_drawn"):
     shapes, specs = RELAY_PARAMS, RELAY_SPECS
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   else:
-    shapes = {"sq": (64, 65 if name.endswith("rank") else 64), "stack": (2, 64, 64)}
-    specs = {"sq": P("a", None), "stack": P(None, None, ("a", "b"))}
+    sq = {"rank": (64, 65), "moved": (16, 68)}.get(name.split("_")[-1], (64, 64))
+    shapes = {"sq": sq, "stack": (2, 64, 64)}
+    specs = {"sq": P(("a", "b") if name.endswith("moved") else "a", None),
+             "stack": P(None, None, ("a", "b"))}
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rank = {"apollo_drawn": 32}.get(name, 8 if name.endswith("moved") else 16)
   tx = getattr(fo, name.split("_")[0])(
-      0.01, rank=32 if name == "apollo_drawn" else 16, interval=2, stack_matrices=False,
+      0.01, rank=rank, interval=2, stack_matrices=False,
       dims={k: fo.MatrixDims() for k in shapes},
       owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True),
       **(dict(leading=4) if name.startswith("alice") else {}))
   params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
   grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
   taken = (_drawn_shapes(monkeypatch) if name == "apollo_drawn"
-           else _recorded(monkeypatch, "scatter_rows"))
+           else _recorded(monkeypatch, "relay_split" if name.endswith("moved")
+                          else "scatter_rows"))
   util.assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mesh,
                                               leaf="sq", other="stack")
-  assert any(taken), taken
+  assert ([(2, "a"), (2, "b")] in taken) if name.endswith("moved") else any(taken), taken
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["apollo", "galore", "galore_rank"])
+@pytest.mark.parametrize("name", ["apollo", "galore", "galore_rank", "galore_moved",
+                                  "apollo_moved"])
 def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
   """bfloat16 parameters and gradients of a 64 x 64 matrix split on its rows over 2
   devices of a 2 x 4 mesh, ``U^T G`` summed and scattered (on ``r`` for a 64 x 65 one:
-  the 2 do not divide its columns), and of a wide matrix split on its columns (APOLLO:
-  its bases drawn where its columns are): 4 steps give one device's bfloat16 updates."""
-  shapes = {"sq": (64, 65 if name.endswith("rank") else 64), "wide": (32, 128)}
-  specs = {"sq": P("a", None), "wide": P(None, ("a", "b"))}
+  the 2 do not divide its columns; a 16 x 68 one split over all 8, rank 8, moved to
+  its columns split unevenly), and of a wide matrix split on its columns (APOLLO: its
+  bases drawn where its columns are): 4 steps give one device's bfloat16 updates."""
+  moved = name.endswith("moved")
+  sq = {"rank": (64, 65), "moved": (16, 68)}.get(name.split("_")[-1], (64, 64))
+  shapes = {"sq": sq, "wide": (32, 128)}
+  specs = {"sq": P(("a", "b") if moved else "a", None), "wide": P(None, ("a", "b"))}
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)  # noqa: E731
 
   def tx():
     return getattr(fo, name.split("_")[0])(
-        0.01, rank=16, interval=2, stack_matrices=False,
+        0.01, rank=8 if moved else 16, interval=2, stack_matrices=False,
         dims={k: fo.MatrixDims() for k in shapes},
         owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
 
-  taken = _recorded(monkeypatch, "scatter_rows")
+  taken = _recorded(monkeypatch, "relay_split" if moved else "scatter_rows")
   params = bf16(util.random_tree(shapes, 0, 0.1))
   grads = lambda t: bf16(util.random_tree(shapes, 100 + 7 * t))  # noqa: E731
   want, _ = util.run_sharded(tx(), params, grads, specs, 4)
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(tx(), params, grads, specs, 4, mesh)
-  assert ("a",) in taken, taken
+  assert ([(2, "a"), (2, "b")] if moved else ("a",)) in taken, taken
   for leaf in shapes:  # APOLLO's wide one: its bases drawn where its columns are
     assert got[leaf].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got[leaf], np.float32),
