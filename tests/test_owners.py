@@ -1048,26 +1048,29 @@ def test_moved_to_columns_the_devices_do_not_divide_against_the_float64_referenc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["galore", "alice"])
+@pytest.mark.parametrize("name", ["galore", "alice", "galore_moved", "apollo_moved"])
 @pytest.mark.parametrize("scale", [1e-30, 1e15], ids=["tiny", "huge"])
 def test_tiny_and_huge_gradients_summed_and_scattered_on_their_rank(name, scale, monkeypatch):
   """Gradients near 1e-30 and near 1e15 of a 64 x 65 matrix split on its rows over the 2
   devices of axis ``a`` of a 2 x 4 mesh (they do not divide 65: ``U^T G`` summed and
-  scattered on ``r``, the state said placed): 4 steps with refreshes every 2 give one
-  device's finite updates."""
-  shapes, specs = {"sq": (64, 65)}, {"sq": P("a", None)}
+  scattered on ``r``, the state said placed), or of a 16 x 68 one split over all 8
+  (rank 8: moved to its columns split unevenly, ``owners.relay_split``): 4 steps with
+  refreshes every 2 give one device's finite updates."""
+  moved = name.endswith("moved")
+  shapes = {"sq": (16, 68) if moved else (64, 65)}
+  specs = {"sq": P(("a", "b") if moved else "a", None)}
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
   def tx(placed):
-    return getattr(fo, name)(0.01, rank=16, interval=2, stack_matrices=False,
-                             dims={"sq": fo.MatrixDims()},
-                             owner_layout=fo.OwnerLayout(param_specs=specs,
-                                                         state_placed=placed),
-                             **(dict(leading=4) if name == "alice" else {}))
+    return getattr(fo, name.split("_")[0])(
+        0.01, rank=8 if moved else 16, interval=2, stack_matrices=False,
+        dims={"sq": fo.MatrixDims()},
+        owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=placed),
+        **(dict(leading=4) if name == "alice" else {}))
 
-  taken = _recorded(monkeypatch, "scatter_rows")
+  taken = _recorded(monkeypatch, "relay_split" if moved else "scatter_rows")
   _placed_as_unplaced(tx, shapes, specs, mesh, name, steps=4, scale=scale)
-  assert ("a",) in taken, taken
+  assert ([(2, "a"), (2, "b")] if moved else ("a",)) in taken, taken
 
 
 @pytest.mark.slow
@@ -1144,14 +1147,14 @@ def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
                                atol=6e-4)  # one bfloat16 step near 0.1; measured: equal
 
 
-def _apollo_error_on_explicit_axes(rank: int, spec: P) -> float:
-  """8 APOLLO matrices 16 x 64 laid out as ``spec`` over the 8 devices of an Explicit
+def _apollo_error_on_explicit_axes(rank: int, spec: P, n: int = 64) -> float:
+  """8 APOLLO matrices 16 x ``n`` laid out as ``spec`` over the 8 devices of an Explicit
   mesh, the state as ``fo.state_shardings`` lays it out: the largest relative error of 5
   updates (new projections at 1, 3 and 5) against the dense float64 re-derivation."""
-  shape = (8, 16, 64)
+  shape = (8, 16, n)
   grads = util.structured_grads(shape, 5, seed=3)
   bases = util.apollo_bases(shape, rank, 2)
-  refs = [reference._Transposing(reference.ApolloRef, 16, 64, lr=util.LR, rank=rank,
+  refs = [reference._Transposing(reference.ApolloRef, 16, n, lr=util.LR, rank=rank,
                                  kind="channel", scale=1.0, basis=bases(b)) for b in range(8)]
   want = [np.stack([ref.step(np.asarray(g, np.float64)[i]) for i, ref in enumerate(refs)])
           for g in grads]
@@ -1226,6 +1229,20 @@ def test_random_projections_drawn_where_the_columns_are_against_the_float64_refe
   err = _apollo_error_on_explicit_axes(
       8, P(None, "fsdp", None) if split == "rows" else P(None, None, "fsdp"))
   assert drawn and drawn[0] == [(8, 16, 64)], drawn
+  assert err < 1e-4, err
+
+
+def test_random_projections_moved_to_columns_the_devices_do_not_divide_against_float64(
+    monkeypatch):
+  """8 matrices 16 x 66 split on their rows over 8 devices (which do not divide 66),
+  rank 8: they move to their columns (``owners.relay_split``), padded to 72 for the
+  bases drawn where the columns are (``owners.drawn_projections``), and every update
+  of 5 steps equals the float64 re-derivation to float32 rounding."""
+  moved = _recorded(monkeypatch, "relay_split")
+  drawn = _drawn_shapes(monkeypatch)
+  err = _apollo_error_on_explicit_axes(8, P(None, "fsdp", None), n=66)
+  assert moved and moved[0] == [(2, "fsdp")], moved
+  assert drawn and drawn[0] == [(8, 16, 66)], drawn
   assert err < 1e-4, err
 
 
