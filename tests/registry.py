@@ -7,10 +7,10 @@ rank above a leaf's size, no ``dims``) and the settings of their dense float64 r
 paper formula, a longer interval to stop mid-way, decay rates exact in float32) says so
 where it does; the base settings come from here.
 
-Heavy cross-cutting tests (several compilations per optimizer) run on one optimizer per
-family of blocks by default and on all of them with ``-m slow``: :func:`params` marks the
-others. The families are the blocks the optimizers are built from, so every block runs in
-the default run.
+Heavy cross-cutting tests (several compilations per optimizer) run on a few optimizers by
+default (:data:`DEFAULT_RUN`, or a test's own choice) and on all of them with ``-m slow``
+(CI's slow step): :func:`params` marks the others. Every block still runs in the default
+run, through one of those optimizers or in its own module's tests.
 """
 
 import dataclasses
@@ -33,8 +33,7 @@ class Case:
 
   Attributes:
     kwargs: its small-test settings (refreshes every 2 steps), without ``dims``.
-    family: the blocks it is built from; the first case of each family is its
-      representative in the default run of heavy tests.
+    family: the blocks it is built from.
     draws: whether its updates use random draws.
     draw_free: overrides that remove the draws (Alice-type methods draw complement
       directions only when ``leading < rank``).
@@ -102,8 +101,11 @@ CASES = {
 NAMES = list(CASES)
 RANDOM = [n for n, c in CASES.items() if c.draws and not c.draw_free]
 WITH_REFERENCE = {n: c.reference for n, c in CASES.items() if c.reference is not None}
-REPRESENTATIVES = [n for i, (n, c) in enumerate(CASES.items())
-                   if c.family not in [d.family for d in list(CASES.values())[:i]]]
+# The optimizers that the cross-cutting tests (every optimizer through one property) run
+# in the default run: the paper's two methods, one low-rank method with a tracked basis,
+# one rotation and one whitening method. The other families' own tests run there too;
+# their cross-cutting cases run with ``-m slow`` (CI's slow step).
+DEFAULT_RUN = ["racs", "alice", "galore", "soap", "normuon"]
 
 
 def kwargs(name: str, *, dims: Any = STACK, draw_free: bool = False,
@@ -143,8 +145,8 @@ def make(name: str, learning_rate=LR, **variant):
 
 
 def params(names=None, default=None):
-  """``names`` (default: all) for ``pytest.mark.parametrize``: those in ``default`` (each
-  family's representative unless given) in the default run, the others marked ``slow``."""
-  default = REPRESENTATIVES if default is None else default
+  """``names`` (default: all) for ``pytest.mark.parametrize``: those in ``default``
+  (:data:`DEFAULT_RUN` unless given) in the default run, the others marked ``slow``."""
+  default = DEFAULT_RUN if default is None else default
   return [n if n in default else pytest.param(n, marks=pytest.mark.slow)
           for n in (NAMES if names is None else names)]

@@ -18,8 +18,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import memory  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["adam", "galore", "fira", "apollo_mini", "racs", "alice0",
-                                  "alice"])
+@pytest.mark.parametrize("name", ["adam", "galore"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("fira", "apollo_mini", "racs", "alice0", "alice")])
 def test_paper_memory_table_reproduced(name):
   """Within 2% (plus the paper's rounding to 0.01 GiB) for 60M and 130M."""
   rows = memory.table((name,), ("60M", "130M"))

@@ -53,7 +53,8 @@ def _check(lib, ref, tol=1e-4):
     assert err < tol, f"step {t}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("rank", [0.5, 2, 100], ids=["half", "r2", "full"])
+@pytest.mark.parametrize("rank", [pytest.param(0.5, marks=pytest.mark.slow), 2, 100],
+                         ids=["half", "r2", "full"])
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6), (8, 8), (3, 6, 10)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_matches_the_reference_over_12_steps(shape, rank):

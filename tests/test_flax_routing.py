@@ -160,7 +160,7 @@ def test_scan_stacked_routing_leaf_by_leaf(scan_and_list_models):
 
 
 @pytest.mark.parametrize("name", registry.params(
-    [n for n in registry.NAMES if n not in registry.RANDOM]))
+    [n for n in registry.NAMES if n not in registry.RANDOM], default=["galore"]))
 def test_scan_stacked_model_updates_equal_the_unstacked_models(name, scan_and_list_models):
   """Three steps (a refresh at step 3): the scan-stacked model, routed by
   ``fo.flax_dims``, gets layer by layer the updates of the model with separate layers
@@ -239,7 +239,7 @@ def test_loud_errors_name_the_argument_and_the_leaf():
   np.testing.assert_allclose(float(u["s"]), float(ref["s"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", registry.NAMES)
+@pytest.mark.parametrize("name", registry.params(registry.NAMES, default=["racs", "galore"]))
 def test_plain_optax_inject_hyperparams_at_defaults(name):
   """As optax's contrib common tests do: only rank-like arguments static; the updates are
   the plain optimizer's (to the rounding of traced decay rates). A square matrix, so that

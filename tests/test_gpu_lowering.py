@@ -188,7 +188,7 @@ def test_gpu_lowering_script_runs(tmp_path):
   assert all("potrf" in d["target"] for d in soap["refresh"]["decompositions"])
 
 
-@pytest.mark.parametrize("name", ["eigen_adam", "shampoo"])
+@pytest.mark.parametrize("name", ["eigen_adam", pytest.param("shampoo", marks=pytest.mark.slow)])
 def test_power_qr_refresh_runs_no_eigh_after_the_first_on_gpu(name):
   """``refresh="power_qr"``: the exact eigh at the first refresh (one call per matrix on
   a GPU above 32 x 32), later refreshes one batched Cholesky factor per shape; the

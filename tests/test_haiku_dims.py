@@ -57,7 +57,8 @@ def test_haiku_dims_rule_table():
   assert rows["layer_norm/scale"].rule == "fallback"
 
 
-@pytest.mark.parametrize("name", ["racs", "alice", "muon"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("racs", "alice")]
+                         + ["muon"])
 def test_haiku_model_trains_with_its_dims(name):
   """A few steps of a ``transform_with_state`` model: the loss goes down, the routed
   kernels move, no fallback warning."""
@@ -98,7 +99,8 @@ def test_haiku_dims_unknown_kernel_warns_and_bad_input_is_named():
     fo.haiku_dims(jnp.ones((3, 4)))
 
 
-@pytest.mark.parametrize("kind", ["zero", "tiny", "huge", "nan"])
+@pytest.mark.parametrize("kind", ["zero", "nan"] + [
+    pytest.param(k, marks=pytest.mark.slow) for k in ("tiny", "huge")])
 def test_haiku_odd_shapes_and_bad_gradients(kind):
   """Degenerate Haiku leaves -- a scalar ``w``, a ``(1, n)`` linear, an empty conv, a
   bfloat16 kernel -- route without error, and zero / tiny / huge / NaN gradients give

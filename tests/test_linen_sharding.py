@@ -52,7 +52,7 @@ def _step(state):
 # one device's to a tight tolerance; its sharded runs are compared on the trees of
 # tests/test_sharding.py and tests/test_nnx_sharding.py.
 @pytest.mark.parametrize("name", registry.params([n for n in registry.NAMES if n != "soap"],
-                                                 default=["racs", "alice", "eigen_adam"]))
+                                                 default=["racs", "eigen_adam"]))
 def test_linen_recipe_names_state_by_its_own_shape_and_equals_one_device(name):
   tx = registry.make(name, full_rank_bases=True)
   mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))

@@ -206,6 +206,7 @@ class Lm1b(nn.Module):
     return nn.DenseGeneral(V, name="logits_dense")(x)
 
 
+@pytest.mark.slow
 def test_lm1b_style_linen_model_under_a_train_state():
   from flax.training import train_state
   module = Lm1b()
@@ -337,7 +338,7 @@ def test_equinox_transformer_block_and_a_stack_of_them():
   assert float(loss1) < float(loss0)
 
 
-@pytest.mark.parametrize("name", ["muon", "soap"])
+@pytest.mark.parametrize("name", ["muon", pytest.param("soap", marks=pytest.mark.slow)])
 def test_out_in_weight_with_its_dims_updates_as_the_transpose(name):
   """With ``dims`` naming the sides, an ``(out, in)`` weight gets exactly the transpose
   of the update of the same ``(in, out)`` weight (Muon's shape factor and SOAP's sides

@@ -66,6 +66,8 @@ def _cases():
       for i, extra in enumerate(_GRIDS.get(method, [{}])):
         marks = ([pytest.mark.xfail(strict=True, reason="SWAN's updates keep row means")]
                  if (name, method, i) in _CANNOT else [])
+        if name not in ("racs", "alice"):  # the paper's two methods by default
+          marks.append(pytest.mark.slow)
         yield pytest.param(name, method, extra, id=f"{name}-{method}-{i}", marks=marks)
 
 

@@ -70,7 +70,7 @@ def _close(got, want, what, tol=1e-3):
 # the default run's 6 minutes; its owned state stays in the default run through the
 # exchange and checkpoint tests); CI's slow step runs the rest
 _EQUAL = [pytest.param(name, explicit, id=f"{name}-{'explicit' if explicit else 'auto'}_axes",
-                       marks=() if name == "eigen_adam" else pytest.mark.slow)
+                       marks=() if name == "eigen_adam" and explicit else pytest.mark.slow)
           for name in ROTATION for explicit in (False, True)]
 
 
@@ -94,8 +94,8 @@ def test_state_in_the_owner_layout_gives_the_single_device_updates(name, explici
     assert leaf.sharding.spec == P(("fsdp", "tensor")), leaf.sharding
 
 
-@pytest.mark.parametrize("name", ["soap", pytest.param("eigen_adam", marks=pytest.mark.slow),
-                                  pytest.param("shampoo", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["soap", "eigen_adam", "shampoo"])
 def test_donated_state_in_the_owner_layout_gives_the_single_device_updates(name,
                                                                            monkeypatch):
   """The step donating the parameters and the state, as a training step does, so that
@@ -126,8 +126,8 @@ def _rotation_state(state):
   return state.inner_states["structured"].inner_state[0]
 
 
-@pytest.mark.parametrize("name", ["soap", pytest.param("shampoo", marks=pytest.mark.slow),
-                                  pytest.param("eigen_adam", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["soap", "shampoo", "eigen_adam"])
 def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
   """No ``owner_layout`` given: built under ``jax.set_mesh`` of the 4 x 2 mesh, the
   optimizer keeps its state on the owners, laid out for 8 devices (every matrix owned
@@ -157,6 +157,7 @@ def test_built_under_a_mesh_the_state_is_on_owners_by_default(name):
           "all-to-all"}, (refresh, sent)
 
 
+@pytest.mark.slow
 def test_a_device_that_owns_none_of_a_size_does_no_work_for_it():
   """SOAP's one 16 x 16 matrix has a stack of 8 slots, one per device, 7 of them
   padding: after 3 steps (a refresh at 1) on the mesh, only its owner's slot has a
@@ -173,6 +174,7 @@ def test_a_device_that_owns_none_of_a_size_does_no_work_for_it():
   assert int(group.count) == 3
 
 
+@pytest.mark.slow
 def test_without_a_mesh_that_shards_the_matrices_the_default_state_is_per_leaf():
   """Built with no context mesh, SOAP's default state is per leaf wherever ``init`` runs
   (its structure is the optimizer's: an abstract state from outside a mesh fits the
@@ -206,8 +208,9 @@ GUESSED = {**SPECS, "t": P(None, "fsdp", "tensor"), "sq": P("fsdp", "tensor"),
 
 # SOAP on square matrices: its larger side's statistic is singular after one gradient
 # otherwise, and any basis of that null space is an eigenbasis (tests/test_rotate.py)
-@pytest.mark.parametrize("name,shape", [("soap", (10, 16, 16)), ("eigen_adam", (10, 16, 24)),
-                                        ("shampoo", (10, 16, 24)), ("shampoo", (3, 16, 24))])
+@pytest.mark.parametrize("name,shape", [
+    ("soap", (10, 16, 16)), ("eigen_adam", (10, 16, 24)),
+    pytest.param("shampoo", (10, 16, 24), marks=pytest.mark.slow), ("shampoo", (3, 16, 24))])
 def test_owned_state_matches_the_dense_float64_reference(name, shape):
   """10 matrices (padded to 16 slots on 8 devices), or 3 (5 devices own none and run
   the step on no matrix), 8 steps with refreshes every 3 (SOAP: power-QR after updates
@@ -266,7 +269,8 @@ def _compiled(tx, mesh, specs=GUESSED, params=None):
                       shaped(params, p_sh)).compile().as_text()
 
 
-@pytest.mark.parametrize("name", ["soap", pytest.param("shampoo", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
 def test_owned_state_refreshes_and_updates_with_two_all_to_alls(name):
   """Both sides rotated, every matrix to an owner: an ordinary step and a refresh step
   each send exactly the two exchanges (gradients to the owners, updates back) and less
@@ -289,7 +293,8 @@ def test_owned_state_refreshes_and_updates_with_two_all_to_alls(name):
                                            refresh=True)[0].total
 
 
-@pytest.mark.parametrize("name", ["soap", pytest.param("shampoo", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
 def test_a_state_kept_per_leaf_is_refreshed_from_where_it_is_held(name):
   """Built outside any mesh (as MaxText builds its optimizer), the rotation family keeps
   its state per leaf, laid out as ``fo.state_shardings`` says; under the owner layout
@@ -317,7 +322,9 @@ def test_a_state_kept_per_leaf_is_refreshed_from_where_it_is_held(name):
   assert sent["on", True] < 0.7 * sent["off", True], sent
 
 
-@pytest.mark.parametrize("case", ["zero_and_nan", "bfloat16_params",
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["zero_and_nan",
+                                  pytest.param("bfloat16_params", marks=pytest.mark.slow),
                                   pytest.param("tiny", marks=pytest.mark.slow),
                                   pytest.param("huge", marks=pytest.mark.slow)])
 def test_a_state_kept_per_leaf_takes_bad_gradients_as_one_device_does(case):
@@ -356,8 +363,8 @@ LAYER_DIMS = {k: optax.contrib.MuonDimensionNumbers(reduction_axis=(0,), output_
               for k in LAYERS}
 
 
-@pytest.mark.parametrize("name", ["soap", "shampoo", pytest.param("eigen_adam",
-                                                                  marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("soap", marks=pytest.mark.slow), "shampoo",
+                                  pytest.param("eigen_adam", marks=pytest.mark.slow)])
 def test_a_state_kept_per_leaf_keeps_its_layout_through_the_refresh(name):
   """Per-leaf state of stacked layer kernels (as MaxText's) under the owner layout on the
   4 x 2 mesh: an ordinary step sends no more than with the layout off (Shampoo, which
@@ -430,6 +437,7 @@ def test_placement_spreads_each_group_where_that_keeps_the_largest_load():
     assert got[0] <= want[0] and got[1] <= want[1], (counts, sizes, devices, got, want)
 
 
+@pytest.mark.slow
 def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mesh(tmp_path):
   """SOAP stopped after 2 steps on the 4 x 2 mesh, saved with orbax, restored onto a
   2 x 2 mesh (4 devices, which divide the stacks: still on owners; the context mesh
@@ -445,6 +453,7 @@ def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mes
   _close(got1, want, "4x2 -> 1")
 
 
+@pytest.mark.slow
 def test_zero_and_nan_gradients_stay_in_their_leaf_with_the_state_on_owners():
   """A zero gradient leaves its parameter unchanged and a NaN gradient makes only its
   own leaf NaN, on the mesh as on one device (the padding slots hold zeros)."""
@@ -522,7 +531,8 @@ def test_a_column_parallel_one_sided_matrix_spreads_within_its_own_split():
       assert "collective-permute" not in kinds, sent.sent
 
 
-@pytest.mark.parametrize("case", ["tiny", "huge", "bfloat16_params", "bfloat16_transport"])
+@pytest.mark.parametrize("case", ["bfloat16_transport"] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in ("tiny", "huge", "bfloat16_params")])
 def test_scales_dtypes_and_transport_with_the_state_on_owners(case):
   """Gradients near 1e-30 and 1e18, bfloat16 parameters, and bfloat16 transport to and
   from the owners: Eigen-Adam (scale-invariant) gives finite updates on the mesh, the
@@ -548,6 +558,7 @@ def test_scales_dtypes_and_transport_with_the_state_on_owners(case):
   util.assert_close_change(got, want, params(), case, tol)
 
 
+@pytest.mark.slow
 def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
   """A 6 x 10 matrix (neither side a multiple of the 4 x 2 mesh's axes) beside the
   others: its stack cannot go to owners and is updated where XLA lays it out, the
@@ -576,9 +587,9 @@ def test_a_matrix_the_mesh_does_not_split_is_updated_where_xla_lays_it_out():
   assert sent[0].total < 0.1 * sent[1].total, (sent[0].total, sent[1].total)
 
 
-# two cases in the default run (about 9 s each on 2 cores), the others in CI's slow step
-@pytest.mark.parametrize("case", ["zero_and_nan", "huge"] + [
-    pytest.param(c, marks=pytest.mark.slow) for c in ("tiny", "bfloat16_params")])
+# one case in the default run, the others in CI's slow step
+@pytest.mark.parametrize("case", ["huge"] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in ("zero_and_nan", "tiny", "bfloat16_params")])
 def test_a_matrix_held_transposed_takes_bad_gradients_as_one_device_does(case):
   """Shampoo on the mesh holds the 4 matrices of 32 x 16 transposed in the stack of the
   9 of 16 x 32 (``rotate``'s ``transposable``): a zero gradient leaves them unchanged,

@@ -59,9 +59,10 @@ def _close(got, want, what, tol=1e-3):
   util.assert_close_change(got, want, _params(), what, tol)
 
 
-@pytest.mark.parametrize("name", registry.params(ON_BY_DEFAULT,
-                                                 default=["muon", "galore", "alice0"]))
-@pytest.mark.parametrize("explicit,data", [(False, False), (True, False), (False, True)],
+@pytest.mark.parametrize("name", registry.params(ON_BY_DEFAULT, default=["galore"]))
+@pytest.mark.parametrize("explicit,data", [(False, False),
+                                           pytest.param(True, False, marks=pytest.mark.slow),
+                                           pytest.param(False, True, marks=pytest.mark.slow)],
                          ids=["auto_axes", "explicit_axes", "data_fsdp_tensor"])
 def test_owner_layout_gives_the_single_device_updates(name, explicit, data):
   """4 steps (refreshes at 1 and 3 where the optimizer has them: interval 2) under ``jax.set_mesh``,
@@ -313,6 +314,7 @@ def test_the_split_the_boxes_given_to_init_name_is_read():
   assert sent(tx, names=logical).total == given.total
 
 
+@pytest.mark.slow
 def test_the_split_of_arrays_placed_on_the_mesh_is_read_at_init():
   """Parameters placed by ``NamedSharding`` s (``jax.device_put``) and initialised as they
   are, on ``Auto`` axes: the owner layout reads each matrix's split from them, and Muon's
@@ -687,7 +689,9 @@ def test_only_a_dominant_wide_matrix_sums_its_gram_in_place():
 
 
 @pytest.mark.parametrize("name,explicit", [
-    ("muon", False), ("galore", False), ("alice", False),
+    ("muon", False),
+    pytest.param("galore", False, marks=pytest.mark.slow),
+    pytest.param("alice", False, marks=pytest.mark.slow),
     pytest.param("galore", True, marks=pytest.mark.slow),
     pytest.param("muon", True, marks=pytest.mark.slow),
     pytest.param("alice", True, marks=pytest.mark.slow)])
@@ -766,7 +770,8 @@ def test_a_row_split_gradient_moves_to_its_columns_where_the_state_is_split_so(n
   util.assert_close_change(got, want, params, name)
 
 
-@pytest.mark.parametrize("name", ["galore", pytest.param("alice_soap", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["galore", "alice_soap"])
 def test_on_auto_axes_a_gradient_moves_to_its_columns_where_the_state_is_said_placed(name):
   """On ``Auto`` axes the state's layout is not in its type: with the specs given, a
   row-split gradient moves to its columns only where ``OwnerLayout(state_placed=True)``
@@ -832,6 +837,7 @@ def test_a_row_split_gradient_moved_to_its_columns_against_the_float64_reference
   assert err < 1e-4, err
 
 
+@pytest.mark.slow
 def test_a_random_projection_of_a_row_split_gradient_is_summed_and_scattered_where_its_state_is():
   """APOLLO on ``Auto`` axes with the specs given: where ``OwnerLayout(state_placed=True)``
   says the coefficients' state is split over the rows' mesh axis, ``sigma = U^T G`` of a
@@ -853,7 +859,8 @@ def test_a_random_projection_of_a_row_split_gradient_is_summed_and_scattered_whe
   _placed_as_unplaced(tx, RELAY_PARAMS, RELAY_SPECS, auto, "apollo")
 
 
-@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["galore", "alice"])
 def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
     name, monkeypatch):
   """A 64 x 64 matrix split on its rows over the 2 devices of one axis of a 2 x 4 mesh
@@ -956,6 +963,7 @@ def test_coefficients_summed_and_scattered_on_their_rank_against_the_float64_ref
   assert err < 1e-4, err
 
 
+@pytest.mark.slow
 def test_coefficients_scattered_on_their_rank_send_no_more_than_summed(monkeypatch):
   """GaLore on ``Auto`` axes with the specs given and the state said placed, a 64 x 68
   matrix split on its rows over 8 devices (which do not divide 68; rank 8, so moving it

@@ -61,7 +61,8 @@ KINDS = ["exponential", "polynomial", "flat_top_inside_r", "flat_top_beyond_r",
          "rank_deficient", "zero"]
 
 
-@pytest.mark.parametrize("start", ["first", "random", "unrelated"])
+@pytest.mark.parametrize("start", ["first", "random",
+                                   pytest.param("unrelated", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_captures_the_exact_top_r_energy(kind, start):
   g = gradient(kind)
@@ -75,7 +76,8 @@ def test_captures_the_exact_top_r_energy(kind, start):
     assert energy(u, g) >= 0.99 * exact, (energy(u, g) / exact)
 
 
-@pytest.mark.parametrize("scale", [1e-30, 1e-8, 1e8, 1e30])
+@pytest.mark.parametrize("scale", [1e-30, pytest.param(1e-8, marks=pytest.mark.slow),
+                                   pytest.param(1e8, marks=pytest.mark.slow), 1e30])
 def test_basis_does_not_depend_on_the_gradient_scale(scale):
   """``1e30 * G`` squares to 1e60 (float32 overflows at 3.4e38) and ``1e-30 * G`` to
   1e-60: the refresh reads ``G / max|G|``."""

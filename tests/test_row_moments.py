@@ -197,7 +197,7 @@ def test_scale_to_rms_is_scale_free_and_keeps_zero(scale):
   np.testing.assert_allclose(jnp.sqrt(jnp.mean(out["w"] ** 2)), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=pytest.mark.slow), jnp.float32])
 def test_new_blocks_on_bad_inputs_and_odd_shapes(dtype):
   """Zero and NaN entries, bfloat16, a 1 x n matrix and a stack: outputs keep the input
   dtype, zeros stay zero, a NaN entry stays visible in its matrix; the new block's own

@@ -63,9 +63,10 @@ def _kw(name):
   return registry.kwargs(name, full_rank_bases=True)
 
 
-# the rest of the registry, alice_soap included (its blocks are Alice's and SOAP's), with
-# ``-m slow``
-_SHARDED = ["racs", "alice", "galore", "apollo", "soap", "swan"]
+# in the default run; the rest of the registry with ``-m slow`` (in the default run,
+# Alice's sharded updates are compared by the NNX recipe's test, SOAP's by the owned
+# state's)
+_SHARDED = ["galore"]
 
 
 @pytest.mark.parametrize("name", registry.params(default=_SHARDED))
@@ -92,7 +93,7 @@ def test_make_mesh_with_auto_axes_under_set_mesh(name):
   assert sharded["w"].sharding.spec == SPECS["w"]
 
 
-@pytest.mark.parametrize("name", registry.params(default=["racs", "alice", "soap"]))
+@pytest.mark.parametrize("name", registry.params(default=["racs"]))
 def test_make_mesh_with_explicit_axes_under_set_mesh(name):
   """``jax.make_mesh``'s default ``Explicit`` axes, set as the context mesh: the structured
   rule runs on ``Auto`` axes (``fo.with_auto_axes``), same updates as one device, and
@@ -163,7 +164,7 @@ def _per_device_bytes(state):
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("name", registry.params(default=["alice", "racs", "galore", "soap"]))
+@pytest.mark.parametrize("name", registry.params(default=["racs", "galore"]))
 def test_per_device_state_bytes_fall_with_mesh_size(name):
   tx = registry.make(name)
   _, one = _run(tx, 1)
@@ -184,7 +185,7 @@ def _restore(path, params_like, state_like):
   return got["params"], got["state"]
 
 
-@pytest.mark.parametrize("name", registry.params(default=["alice"]))
+@pytest.mark.parametrize("name", registry.params(default=[]))
 def test_orbax_resume_mid_interval_same_and_other_mesh(tmp_path, name):
   kw = _kw(name)
   for every in ("interval", "precondition_frequency"):  # a refresh at steps 1 and 5
@@ -260,7 +261,7 @@ def test_two_process_llama_matches_single_process(tmp_path, optimizer):
       assert abs(float(a[col]) - float(b[col])) < 1e-4, (col, a, b)
 
 
-@pytest.mark.parametrize("name", registry.NAMES)
+@pytest.mark.parametrize("name", registry.params(registry.NAMES, default=["racs", "galore"]))
 def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
   tx = registry.make(name)
   params, state = _run(tx, 2)
@@ -271,7 +272,7 @@ def test_every_optimizer_state_round_trips_through_orbax(tmp_path, name):
   assert jax.tree.structure(rs) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("name", registry.params())
+@pytest.mark.parametrize("name", registry.params(default=["racs", "galore", "normuon"]))
 def test_no_host_transfers_inside_the_step(name):
   """A compiled step (refresh included) makes no device<->host transfer."""
   tx = getattr(fo, name)(0.01, **_kw(name))

@@ -117,7 +117,7 @@ def test_complement_draws_are_uniform_distinct_and_change_per_refresh():
   assert not np.array_equal(np.asarray(words), np.asarray(other))
 
 
-@pytest.mark.parametrize("r", [3, 5, 7])
+@pytest.mark.parametrize("r", [3, 5, pytest.param(7, marks=pytest.mark.slow)])
 def test_a_tall_gradient_is_read_as_itself_and_gives_the_gram_s_bases(r):
   """``m > n`` (alice_soap's right basis of a vocabulary-sized side): the operand is
   ``G``, not the ``m x m`` Gram; the first basis (thin SVD, completed by the complement
@@ -169,8 +169,10 @@ def test_complement_columns_are_the_complete_qr_columns_without_forming_q():
   np.testing.assert_allclose(batched, got, atol=1e-6)
 
 
-@pytest.mark.parametrize("m,r,kind", [(40, 12, "random"), (9, 8, "random"), (7, 1, "random"),
-                                      (512, 128, "random"), (10, 4, "unit"),
+@pytest.mark.parametrize("m,r,kind", [pytest.param(40, 12, "random", marks=pytest.mark.slow),
+                                      (9, 8, "random"), (7, 1, "random"),
+                                      pytest.param(512, 128, "random", marks=pytest.mark.slow),
+                                      (10, 4, "unit"),
                                       (10, 4, "negated unit"), (12, 5, "zero pivot")])
 def test_complement_by_householder_reconstruction_equals_lapacks_qr(m, r, kind):
   """The reconstructed reflectors give LAPACK's complete-QR columns (float64 ``geqrf``

@@ -60,7 +60,7 @@ def _static_in_docstring(fn):
 # -------------------------------------------------------- 1. inject_hyperparams + dims
 
 
-@pytest.mark.parametrize("name", registry.params(default=["racs", "alice_soap", "apollo"]))
+@pytest.mark.parametrize("name", registry.params(default=["apollo"]))
 def test_plain_inject_hyperparams_with_flax_dims_and_path_mask(name):
   """``optax.inject_hyperparams(fo.X, static_args=<the docstring's>)(..., dims=
   fo.flax_dims(model), mask=fo.path_mask(...))`` gives the same updates as ``fo.X``."""
@@ -172,7 +172,8 @@ def test_default_leading_scales_with_rank(rank, leading):
   assert fo.default_leading(rank) == leading
 
 
-@pytest.mark.parametrize("name", ["alice", "alice0", "alice_soap"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in ("alice", "alice_soap")]
+                         + ["alice0"])
 def test_small_rank_without_leading_builds_and_keeps_the_rule(name):
   fn = getattr(fo, name)
   tx = fn(0.02, rank=8)
@@ -219,7 +220,7 @@ def _readme_usage_block():
   return usage[0]
 
 
-@pytest.mark.parametrize("with_embeddings", [False, True])
+@pytest.mark.parametrize("with_embeddings", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_readme_usage_example_runs_on_any_model(with_embeddings):
   model = _model()
   params = nnx.state(model, nnx.Param).to_pure_dict()
