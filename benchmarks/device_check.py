@@ -37,8 +37,10 @@ its limit is interrupted and keeps what it printed):
    per kind of kernel, the largest kernels); then RACS in the per-leaf layout; then
    RACS's update alone with bfloat16 parameters (:mod:`benchmarks.step_time` ``--dtype``),
    against Adam's with bfloat16 moments.
-5. ``tests``: the default test suite (``python -m pytest -n N tests``, the slowest file
-   named first so that its cases start first) at the device's default matmul precision:
+5. ``tests``: the default test suite and every optimizer's 30,000-step optax cases
+   (``python -m pytest -m "(not slow and not example) or long_run" -n N tests``, the
+   slowest file named first so that its cases start first) at the device's default
+   matmul precision:
    pass/fail/skip counts, the failures by name, the slowest tests, and how many had not
    finished if it was interrupted.
 6. ``primitives``: :mod:`benchmarks.primitives` at the first preset: the factorizations
@@ -92,6 +94,9 @@ FULL = dict(presets=("60M", "130M"),
             precision_optimizers=("racs", "alice", "galore", "soap"),
             compile_optimizers=("adam", "muon", "optax_galore", "galore", "alice"),
             tests=["tests"], slow_first=["tests/test_optax_common.py"],
+            # the default run and every optimizer's long optax runs (on an H100 those were
+            # the suite's longest, up to 190 s each, when they refreshed every 2 steps)
+            markers="(not slow and not example) or long_run",
             caps=dict(tests=240, steps=150, train=170, train_profile=70,
                       train_layout=80, update_dtype=45, precision=90,
                       primitives=100, compile=150, compile_autotune=90))
@@ -247,15 +252,16 @@ def part_tests(chk: Check, cfg: dict):
   # the slowest file first (collected first, so its cases start first; pytest collects a
   # file named twice once): on the H100 the suite was cut with optax's long runs unfinished
   order = [*cfg.get("slow_first", []), *cfg["tests"]]
+  select = ["-m", cfg["markers"]] if cfg.get("markers") else []
   r = chk.run("tests", [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                        "-p", "no:benchmark", "--durations=8", *xdist, *order],
+                        "-p", "no:benchmark", "--durations=8", *select, *xdist, *order],
               cfg["caps"]["tests"])
   if r is None:
     return
   out, err, code, sec = r
   chk.data["parts"]["tests"] = dict(parse_pytest(out), returncode=code, seconds=sec,
-                                    command=f"python -m pytest {' '.join(xdist)} "
-                                            f"{' '.join(order)}",
+                                    command=f"python -m pytest {' '.join(select)} "
+                                            f"{' '.join(xdist)} {' '.join(order)}",
                                     tail=(out + err)[-1500:] if code not in (0, 1) else "")
 
 

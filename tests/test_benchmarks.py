@@ -225,6 +225,8 @@ def test_device_check_plans_are_two_runs_that_cover_the_open_targets(tmp_path, m
   assert {"alice", "soap", "eigen_adam", "shampoo", "fo_muon", "muon"} <= set(
       steps["optimizers"])
   assert {"racs", "alice", "muon"} <= set(seen[0][1]["train_optimizers"])
+  # the suite: the default run and every optimizer's long optax cases
+  assert seen[2][1]["markers"] == "(not slow and not example) or long_run"
   assert all(budget <= 360 for _, _, budget in seen)
   names = sorted(p.name for p in tmp_path.glob("*.json"))
   assert len(names) == 2 and all(n.startswith("nvidia-h200-") for n in names), names

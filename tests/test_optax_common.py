@@ -68,6 +68,8 @@ def _cases():
                  if (name, method, i) in _CANNOT else [])
         if name not in ("racs", "alice"):  # the paper's two methods by default
           marks.append(pytest.mark.slow)
+        if method == "test_optimizers":
+          marks.append(pytest.mark.long_run)
         yield pytest.param(name, method, extra, id=f"{name}-{method}-{i}", marks=marks)
 
 
