@@ -171,8 +171,8 @@ def _bytes(tree, mesh):
 @pytest.mark.parametrize("name", registry.params(default=["alice"]))
 def test_recipe_is_sharded_and_equals_one_device(name, mesh_name):
   """3 steps (refreshes at 1 and 3): the parameters equal one device's; each device holds
-  the bytes the state's names say, fewer than a replicated state's (four optimizers by
-  default on the FSDP x tensor mesh; all, and the FSDP mesh, with ``-m slow``); the
+  the bytes the state's names say, fewer than a replicated state's (Alice by default on
+  the FSDP x tensor mesh; all, and the FSDP mesh, with ``-m slow``); the
   rotation family, built under the mesh, keeps its state on the owners."""
   mesh = _meshes()[mesh_name]
   single, _ = _train(name, None)

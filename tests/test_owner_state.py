@@ -66,9 +66,9 @@ def _close(got, want, what, tol=1e-3):
   util.assert_close_change(got, want, _params(), what, tol)
 
 
-# the default run: Eigen-Adam on each kind of mesh (SOAP on Explicit axes took 14 s of
-# the default run's 6 minutes; its owned state stays in the default run through the
-# exchange and checkpoint tests); CI's slow step runs the rest
+# the default run: Eigen-Adam on Explicit axes (SOAP on Explicit axes took 14 s of the
+# default run's 6 minutes; its owned state stays in the default run through its dense
+# float64 re-derivation on the mesh); CI's slow step runs the rest
 _EQUAL = [pytest.param(name, explicit, id=f"{name}-{'explicit' if explicit else 'auto'}_axes",
                        marks=() if name == "eigen_adam" and explicit else pytest.mark.slow)
           for name in ROTATION for explicit in (False, True)]
