@@ -879,10 +879,22 @@ def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
                              owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True),
                              **(dict(leading=4) if name == "alice" else {}))
 
-  taken = _recorded(monkeypatch, "scatter_rows")
+  taken, scattered, summed = _scattered_and_summed(tx, mesh, shapes, specs, name,
+                                                   monkeypatch)
+  assert ("a",) in taken, taken
+  assert scattered.count["reduce-scatter"] > summed.count["reduce-scatter"], scattered.sent
+  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
+
+
+def _scattered_and_summed(tx, mesh, shapes, specs, name, monkeypatch) -> tuple:
+  """For the optimizer ``tx()`` on ``mesh`` (leaves ``shapes`` split as ``specs``): what
+  ``owners.scatter_rows`` returned while its update was compiled for the mesh, the
+  traffic of an ordinary step, and that traffic with the scatter turned off; checks on
+  the way that 5 steps (refreshes every 2) give one device's updates."""
+  seen = _recorded(monkeypatch, "scatter_rows")
   scattered = collectives.traffic(_relay_program(tx(), mesh, shapes=shapes, specs=specs), 8,
                                   refresh=False)[0]
-  assert ("a",) in taken, taken
+  taken = list(seen)  # while the mesh's program was traced
   params = util.random_tree(shapes, 0, 0.1)
   grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
   want, _ = util.run_sharded(tx(), params, grads, specs, 5)
@@ -892,8 +904,7 @@ def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
   monkeypatch.setattr(owners, "scatter_rows", lambda *a: ())
   summed = collectives.traffic(_relay_program(tx(), mesh, shapes=shapes, specs=specs), 8,
                                refresh=False)[0]
-  assert scattered.count["reduce-scatter"] > summed.count["reduce-scatter"], scattered.sent
-  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
+  return taken, scattered, summed
 
 
 @pytest.mark.slow
@@ -1155,10 +1166,11 @@ def test_bfloat16_parameters_on_the_scattered_path(name, monkeypatch):
                                atol=6e-4)  # one bfloat16 step near 0.1; measured: equal
 
 
-def _apollo_error_on_explicit_axes(rank: int, spec: P, n: int = 64) -> float:
+def _apollo_error_on_explicit_axes(rank: int, spec: P, n: int = 64, mesh=None) -> float:
   """8 APOLLO matrices 16 x ``n`` laid out as ``spec`` over the 8 devices of an Explicit
-  mesh, the state as ``fo.state_shardings`` lays it out: the largest relative error of 5
-  updates (new projections at 1, 3 and 5) against the dense float64 re-derivation."""
+  mesh (``mesh``; default one axis ``fsdp``), the state as ``fo.state_shardings`` lays it
+  out: the largest relative error of 5 updates (new projections at 1, 3 and 5) against
+  the dense float64 re-derivation."""
   shape = (8, 16, n)
   grads = util.structured_grads(shape, 5, seed=3)
   bases = util.apollo_bases(shape, rank, 2)
@@ -1166,10 +1178,80 @@ def _apollo_error_on_explicit_axes(rank: int, spec: P, n: int = 64) -> float:
                                  kind="channel", scale=1.0, basis=bases(b)) for b in range(8)]
   want = [np.stack([ref.step(np.asarray(g, np.float64)[i]) for i, ref in enumerate(refs)])
           for g in grads]
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  if mesh is None:
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
   tx = fo.apollo(util.LR, rank=rank, interval=2, dims=util.STACK)
   got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
   return max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+
+
+_FSDP_TP = ((4, 2), ("fsdp", "tp"))
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("fira", marks=pytest.mark.slow),
+                                  pytest.param("alice0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape,spec", [((8, 16, 24), P(None, "fsdp", "tp")),
+                                        ((8, 24, 16), P(None, "tp", "fsdp"))],
+                         ids=["wide", "tall"])
+def test_coefficients_of_matrices_split_on_both_sides_against_the_float64_reference(
+    name, shape, spec, monkeypatch):
+  """FSDP x tensor parallelism: 8 matrices split on both sides over a 4 x 2 Explicit
+  mesh (their smaller side over ``fsdp``, their larger over ``tp``), rank 4:
+  ``fo.state_shardings`` splits the coefficients' state on ``r`` over ``fsdp`` and on
+  ``n`` over ``tp``, ``sigma = U^T G`` is summed and scattered on ``r``
+  (``owners.scatter_rows``), and every update of 7 steps (refreshes at 1, 4 and 7)
+  equals the dense float64 re-derivation to float32 rounding."""
+  taken = _recorded(monkeypatch, "scatter_rows")
+  grads = util.structured_grads(shape, 7, seed=3)
+  kw = {**registry.WITH_REFERENCE[name], "rank": 4}
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
+  specs = fo.state_partition_specs(tx, {"w": jnp.zeros(shape)}, {"w": spec}, mesh=mesh)
+  assert util.coefficient_moments(specs) == {"w": P(None, "fsdp", "tp")}
+  got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
+  assert ("fsdp",) in taken, taken
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+def test_a_random_projection_of_matrices_split_on_both_sides_against_float64(monkeypatch):
+  """APOLLO under FSDP x tensor parallelism (8 matrices 16 x 64, rows over ``fsdp`` and
+  columns over ``tp`` of a 4 x 2 Explicit mesh, rank 4): ``sigma = U^T G`` is summed and
+  scattered on ``r`` over ``fsdp`` (``owners.scatter_rows``), and every update of 5
+  steps equals the float64 re-derivation to float32 rounding."""
+  taken = _recorded(monkeypatch, "scatter_rows")
+  mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  err = _apollo_error_on_explicit_axes(4, P(None, "fsdp", "tp"), mesh=mesh)
+  assert taken and taken[0] == ("fsdp",), taken
+  assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("apollo", marks=pytest.mark.slow)])
+def test_coefficients_split_on_both_sides_send_no_more_than_summed(name, monkeypatch):
+  """FSDP x tensor parallelism on ``Auto`` axes with the specs given and the state said
+  placed: an ordinary step that sums and scatters ``sigma = U^T G`` on ``r``
+  (``owners.scatter_rows``) sends no more than the same program with the scatter turned
+  off (XLA sums ``sigma`` whole and slices it for its state; APOLLO, whose update needs
+  ``sigma`` only where its state is, sends less), and 5 steps give one device's
+  updates."""
+  shapes = {"wide": (32, 64), "tall": (64, 32)}
+  specs = {"wide": P("fsdp", "tp"), "tall": P("tp", "fsdp")}
+  mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def tx():
+    return getattr(fo, name)(0.01, rank=8, interval=2, stack_matrices=False,
+                             dims={k: fo.MatrixDims() for k in shapes},
+                             owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
+
+  taken, scattered, summed = _scattered_and_summed(tx, mesh, shapes, specs, name,
+                                                   monkeypatch)
+  assert taken and all(t == ("fsdp",) for t in taken), taken
+  assert scattered.count["reduce-scatter"] > summed.count.get("reduce-scatter", 0), (
+      scattered.sent, summed.sent)
+  assert scattered.total <= summed.total * (0.8 if name == "apollo" else 1.0), (
+      scattered.total, summed.total)
 
 
 def test_a_scattered_random_projection_against_the_float64_reference(monkeypatch):

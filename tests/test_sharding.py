@@ -440,22 +440,70 @@ def test_coefficient_state_where_the_rows_axes_do_not_divide_n_is_split_on_r():
   assert moments(odd)["wide"] == P() and moments(odd)["tall_even"] == P(None, "fsdp")
 
 
-def test_a_checkpoint_of_whole_coefficient_state_restores_split_on_r(tmp_path):
-  """A GaLore state whose ``r x n`` moments were held whole on every device, as
-  ``fo.state_shardings`` placed them where the rows' mesh axes do not divide ``n``,
-  saved with orbax and restored with today's shardings: the moments come back split on
-  ``r``, and 3 more steps on the mesh give the updates of the saved state continued on
-  one device."""
-  shapes, specs = {"w": (16, 18)}, {"w": P("fsdp", None)}
-  mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
-  tx = fo.galore(0.01, rank=4, interval=2, dims={"w": fo.MatrixDims()}, stack_matrices=False)
+def test_coefficient_state_of_a_matrix_split_on_both_sides_is_split_on_r_and_n():
+  """FSDP x tensor parallelism: a matrix split on both sides (its smaller side over
+  ``fsdp``, its larger over ``tp``; wide, tall and square), for an update that knows
+  where its state is (``OwnerLayout(param_specs=..., state_placed=True)``, or Explicit
+  mesh axes): the state on its ``r x n`` coefficients is split on ``n`` as the larger
+  side and on ``r`` over the smaller side's axes, not held whole over ``fsdp``; where
+  ``fsdp`` does not divide ``r``, on ``n`` alone. Its basis stays split as the smaller
+  side. For an update that does not know (nothing said on ``Auto`` axes, or no mesh),
+  ``n`` alone, as before."""
+  params = {"wide": jnp.zeros((16, 24)), "tall": jnp.zeros((24, 16)),
+            "square": jnp.zeros((16, 16))}
+  specs = {"wide": P("fsdp", "tp"), "tall": P("tp", "fsdp"), "square": P("fsdp", "tp")}
+  devices = np.array(jax.devices()[:8]).reshape(4, 2)
+  mesh = Mesh(devices, ("fsdp", "tp"))
+  explicit = Mesh(devices, ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  dims = {k: fo.MatrixDims() for k in params}
+  placed = fo.OwnerLayout(param_specs=specs, state_placed=True)
+
+  def make(name, rank=4, **kw):
+    return getattr(fo, name)(1e-2, rank=rank, dims=dims, stack_matrices=False, **kw,
+                             **(dict(leading=2) if name == "alice" else {}))
+
+  def moments(tx, m=mesh):
+    return util.coefficient_moments(fo.state_partition_specs(tx, params, specs, mesh=m))
+
+  for name in ("galore", "alice", "apollo"):
+    both = {k: P("fsdp", "tp") for k in params}
+    assert moments(make(name, owner_layout=placed)) == both, name
+    assert moments(make(name), explicit) == both, name
+    assert moments(make(name)) == {k: P(None, "tp") for k in params}, name
+  odd = make("galore", rank=3, owner_layout=placed)
+  specs_odd = fo.state_partition_specs(odd, params, specs, mesh=mesh)
+  assert util.coefficient_moments(specs_odd) == {k: P(None, "tp") for k in params}
+  basis = specs_odd.inner_states["structured"].inner_state[0].basis
+  assert basis == {k: P("fsdp") for k in params}, basis
+  # given specs but the state not said placed: n alone
+  assert moments(make("galore", owner_layout=fo.OwnerLayout(param_specs=specs))) == {
+      k: P(None, "tp") for k in params}
+
+
+@pytest.mark.parametrize("shape,spec,mesh_shape,whole_on", [
+    ((16, 18), P("fsdp", None), (4,), P("fsdp")),
+    ((16, 24), P("fsdp", "tp"), (4, 2), P("fsdp", "tp"))], ids=["n_not_divided", "both_sides"])
+def test_a_checkpoint_of_whole_coefficient_state_restores_split_on_r(tmp_path, shape, spec,
+                                                                      mesh_shape, whole_on):
+  """A GaLore state whose ``r x n`` moments were held whole on the rows' devices, as
+  ``fo.state_shardings`` placed them where the rows' mesh axes do not divide ``n`` or
+  where the columns are split too (the state said placed), saved with orbax and
+  restored with today's shardings: the moments come back split on ``r``, and 3 more
+  steps on the mesh give the updates of the saved state continued on one device."""
+  shapes, specs = {"w": shape}, {"w": spec}
+  names = ("fsdp", "tp")[:len(mesh_shape)]
+  mesh = Mesh(np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape), names)
+  # split on both sides, the state is split on r where the update knows it is placed
+  said = dict(owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
+  tx = fo.galore(0.01, rank=4, interval=2, dims={"w": fo.MatrixDims()}, stack_matrices=False,
+                 **(said if len(mesh_shape) > 1 else {}))
   grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
   p2, s2 = util.run_sharded(tx, util.random_tree(shapes, 0, 0.1), grads, specs, 3)
   whole = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), s2)
   _save(tmp_path / "ckpt", jax.device_put(p2, NamedSharding(mesh, specs["w"])), whole)
   rp, rs = util.restore_onto(tmp_path / "ckpt", tx, p2, s2, specs, mesh)
   mu = util.coefficient_moments(rs)["w"]
-  assert mu.sharding.spec == P("fsdp"), mu.sharding
+  assert mu.sharding.spec == whole_on, mu.sharding
   want, _ = util.run_sharded(tx, p2, grads, specs, 3, state=s2, start=3)
   with jax.set_mesh(mesh):
     got, _ = util.run_sharded(tx, rp, grads, specs, 3, mesh, state=rs, start=3)

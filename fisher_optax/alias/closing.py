@@ -197,7 +197,9 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
                        info=dict(name=name, rank=rank, stack_matrices=stack,
                                  owner_mesh=getattr(owners.as_layout(owner), "mesh", None),
                                  owner_specs=getattr(owners.as_layout(owner), "param_specs",
-                                                     None) is not None))
+                                                     None) is not None,
+                                 owner_placed=bool(getattr(owners.as_layout(owner),
+                                                           "state_placed", False))))
 
 
 # Arguments that fix array shapes. optax.inject_hyperparams turns every numeric argument

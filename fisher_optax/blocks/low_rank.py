@@ -163,11 +163,12 @@ class _Tracker:
       if relay is not None:  # sigma = U^T G where the columns are (owners.relay_split)
         gc, u_p = owners.relaid(gc, relay), owners.relaid(u, [])
       if rows:
-        coeffs = sigma = owners.scattered_projection(u, gc, rows)
-        if owners.coefficient_axis(view.n, rows) == -2:
-          # split on r, as their state is: gathered once for the tracking and any
-          # ``U sigma`` downstream
-          sigma = owners.relaid(sigma, [])
+        cols = owners.split_columns(view, key)
+        coeffs = sigma = owners.scattered_projection(u, gc, rows, cols)
+        if owners.coefficient_axis(view.n, rows, cols) == -2:
+          # split on r, as their state is: gathered once (on r; n stays where the
+          # columns are) for the tracking and any ``U sigma`` downstream
+          sigma = owners.relaid(sigma, [(2, n) for n in cols])
         q = track(sigma, q)
       else:
         sigma, q, _ = step(gc, u_p, q)

@@ -123,12 +123,12 @@ def _projected(lifted: lifting.Lifted, indices: list, ranks: list,
         ranks[i]) for i in local]) if local else []))
   nodes = []
   project = grouping.shared(linalg.project_rows)
-  for i, (g, gc, basis, view, rows, relay) in enumerate(zip(
-      lifted.leaves, gcs, bases, views, scatter, relays)):
+  for i, (g, gc, basis, view, key, rows, relay) in enumerate(zip(
+      lifted.leaves, gcs, bases, views, keys, scatter, relays)):
     if i in sigmas:
       sigma = sigmas[i].reshape(view.batch_shape + sigmas[i].shape[-2:])
     elif rows:
-      sigma = owners.scattered_projection(basis, gc, rows)
+      sigma = owners.scattered_projection(basis, gc, rows, owners.split_columns(view, key))
     else:
       sigma = project(basis, gc)
     nodes.append(subspace.Subspace(sigma, sigma, basis, gc, view, g.dtype,

@@ -537,49 +537,64 @@ def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
   return [(2, name) for name in rows]
 
 
-def coefficient_axis(n: int, axes: tuple) -> int:
+def coefficient_axis(n: int, axes: tuple, cols: tuple = ()) -> int:
   """The axis of a matrix's ``r x n`` coefficients that ``fo.state_shardings`` splits over
   the mesh axes ``axes`` of the matrix's rows: ``-1`` (``n``) where they divide ``n``,
-  else ``-2`` (``r``)."""
+  else ``-2`` (``r``); ``-2`` where the columns are split too (over ``cols``: FSDP x
+  tensor parallelism), whose axes ``n`` keeps."""
+  if cols:
+    return -2
   size = math.prod(_ACTIVE.get().mesh.shape[a] for a in axes)
   return -1 if n % size == 0 else -2
 
 
-def _rows_where_state_is(view, key: str, rank: int, split: Any = False) -> tuple:
+def _gradient_split(view, key: str) -> Optional[list]:
+  """The split a gradient has (:func:`view_split`), read from the specs given, else
+  ``None``."""
+  on = _ACTIVE.get()
+  entry = None if on is None else (on.specs or {}).get(key)
+  if entry is None or entry[0] != tuple(view.shape):
+    return None
+  return view_split(view, entry[1], spread=False)
+
+
+def _rows_where_state_is(view, key: str, rank: int, split: Any = False,
+                         crossed: bool = False) -> tuple:
   """The mesh axes that split a gradient's rows, where it is split on its rows only and
   every ``r x n`` state array of its parameter is split over those axes as
   ``fo.state_shardings`` splits it (:func:`_state_split_on_rows`): on ``n`` where they
   divide it, else on ``r`` where they divide that (:func:`coefficient_axis`); else
   ``()``. ``split``: the gradient's split (:func:`view_split`), by default read from the
-  specs given."""
+  specs given. ``crossed``: a gradient split on its columns too counts, where the
+  state's ``r`` is split over the rows' axes and its ``n`` as the columns."""
   on = _ACTIVE.get()
   if on is None or not on.held:
     return ()
   if split is False:
-    entry = (on.specs or {}).get(key)
-    if entry is None or entry[0] != tuple(view.shape):
-      return ()
-    split = view_split(view, entry[1], spread=False)
+    split = _gradient_split(view, key)
   rows = tuple(n for a, n in split or [] if a == 1)
-  if not rows or any(a == 2 for a, _ in split):
+  cols = tuple(n for a, n in split or [] if a == 2)
+  if not rows or (cols and not crossed):
     return ()
   size = math.prod(on.mesh.shape[n] for n in rows)
-  if view.n % size and rank % size:
+  if (view.n % size or cols) and rank % size:
     return ()
-  if not _state_split_on_rows(on, view, key, rank, rows):
+  if not _state_split_on_rows(on, view, key, rank, rows, cols):
     return ()
   return rows
 
 
-def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bool:
+def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple,
+                         cols: tuple = ()) -> bool:
   """Whether every ``r x n`` state array of the parameter at ``key`` has its axis
   :func:`coefficient_axis` (``n``, else ``r``) split over the mesh axes ``rows`` (those
-  that split the gradient's rows): read from its type (Explicit mesh axes), or from its
+  that split the gradient's rows), and its ``n`` over ``cols`` where the gradient's
+  columns are split too: read from its type (Explicit mesh axes), or from its
   role under ``fo.state_shardings``' rules where ``OwnerLayout(state_placed=True)`` says
   they placed it (role ``auto``, ``r`` not a side: the rules split the coefficients of a
-  matrix split on its smaller side only so, and no others along those axes)."""
+  matrix split on its smaller side so, and no others along those axes)."""
   m, n = view.m, view.n
-  axis = coefficient_axis(n, rows)
+  axis = coefficient_axis(n, rows, cols)
   at = len(view.batch_shape) + 2 + axis
   # r x n arrays of the matrices' own batch (not a batch x n vector whose batch is r)
   held = [e for e in on.held.get(key, []) if tuple(e[0][-2:]) == (r, n)
@@ -591,18 +606,21 @@ def _state_split_on_rows(on: _Active, view, key: str, r: int, rows: tuple) -> bo
       if sp != "auto" or r in (m, n) or len(shape) != len(view.batch_shape) + 2:
         return False
       continue
-    entry = (list(sp) + [None] * 8)[at]
-    names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-    if tuple(names) != rows:
+    entries = list(sp) + [None] * 8
+    names = lambda e: () if e is None else e if isinstance(e, tuple) else (e,)  # noqa: E731
+    if tuple(names(entries[at])) != rows:
+      return False
+    if cols and tuple(names(entries[at + 1])) != cols:
       return False
   return True
 
 
 def scatter_rows(view, key: str, rank: int) -> tuple:
   """The mesh axes over which ``sigma = U^T G`` is summed and scattered at once
-  (:func:`scattered_projection`), else ``()``: where a gradient is split on its rows only
+  (:func:`scattered_projection`), else ``()``: where a gradient is split on its rows
   (its split known) and every ``r x n`` state array of the parameter is split over those
-  axes, on ``n`` where they divide it, else on ``r`` (:func:`_rows_where_state_is`). Its
+  axes, on ``n`` where they divide it, else on ``r`` (:func:`_rows_where_state_is`); on
+  ``r`` where its columns are split too (:func:`split_columns`). Its
   coefficients then stay where their state is (:func:`coefficient_layout`): one
   reduce-scatter of the ``r x n`` coefficients, half the bytes of the all-reduce that
   left them on every device (XLA:CPU's partitioner does not turn an all-reduce and a
@@ -612,37 +630,41 @@ def scatter_rows(view, key: str, rank: int) -> tuple:
   APOLLO's source takes it wherever it applies; a low-rank source where
   :func:`relay_split` declines to move the gradient (few devices on the rows against
   the rank, or columns they do not divide)."""
-  return _rows_where_state_is(view, key, rank)
+  return _rows_where_state_is(view, key, rank, crossed=True)
 
 
-def scattered_projection(basis: jax.Array, a: jax.Array, rows: tuple) -> jax.Array:
+def split_columns(view, key: str) -> tuple:
+  """The mesh axes that split a gradient's columns where its split is known, else
+  ``()``."""
+  return tuple(n for a, n in _gradient_split(view, key) or [] if a == 2)
+
+
+def scattered_projection(basis: jax.Array, a: jax.Array, rows: tuple,
+                         cols: tuple = ()) -> jax.Array:
   """``U^T A`` (``basis``: ``... x m x r``; ``a``: ``... x m x n``, its rows split over
-  the mesh axes ``rows``) in a ``shard_map``: each device's rows give a partial product,
-  and one ``psum_scatter`` sums them and leaves the ``r x n`` product split over ``rows``
-  on the axis :func:`coefficient_axis` names (``n``, else ``r``), as its state is."""
+  the mesh axes ``rows``, its columns over ``cols``) in a ``shard_map``: each device's
+  rows give a partial product, and one ``psum_scatter`` sums them and leaves the
+  ``r x n`` product split over ``rows`` on the axis :func:`coefficient_axis` names
+  (``n``, else ``r``), ``n`` over ``cols``, as its state is."""
   on = _ACTIVE.get()
   lead = [None] * (a.ndim - 2)
-  split_rows = P(*lead, rows, None)
-  axis = coefficient_axis(a.shape[-1], rows)
+  c = cols or None
+  axis = coefficient_axis(a.shape[-1], rows, cols)
 
   def local(u, x):
     return jax.lax.psum_scatter(linalg.project_rows(u, x), rows,
                                 scatter_dimension=x.ndim + axis, tiled=True)
 
-  out = P(*lead, None, rows) if axis == -1 else P(*lead, rows, None)
-  return jax.shard_map(local, in_specs=(split_rows, split_rows), out_specs=out,
-                       check_vma=False, **_mesh_argument(on.mesh))(basis, a)
+  out = P(*lead, None, rows) if axis == -1 else P(*lead, rows, c)
+  return jax.shard_map(local, in_specs=(P(*lead, rows, None), P(*lead, rows, c)),
+                       out_specs=out, check_vma=False, **_mesh_argument(on.mesh))(basis, a)
 
 
 def columns_only(view, key: str) -> tuple:
   """The mesh axes that split a gradient's columns where it is split on its columns
   only (its split known, from the specs given or its type; ``n`` divides over them),
   else ``()``."""
-  on = _ACTIVE.get()
-  entry = None if on is None else (on.specs or {}).get(key)
-  if entry is None or entry[0] != tuple(view.shape):
-    return ()
-  split = view_split(view, entry[1], spread=False)
+  split = _gradient_split(view, key)
   if not split or any(a == 1 for a, _ in split):
     return ()
   return tuple(n for a, n in split if a == 2)
@@ -749,9 +771,10 @@ def coefficient_layout(coeffs: Any, views: list, moved: Optional[list] = None) -
     elif spec is not None:
       split = view_split(view, spec, spread=False)
       if split is not None:  # the sum over the split rows left where the state keeps them
-        kept = _rows_where_state_is(view, k, jnp.shape(x)[-2], split)
-        if kept and coefficient_axis(view.n, kept) == -2:
-          rspec = P(*([None] * (jnp.ndim(x) - 2)), kept, None)
+        kept = _rows_where_state_is(view, k, jnp.shape(x)[-2], split, crossed=True)
+        cols = tuple(n for a, n in split if a == 2)
+        if kept and coefficient_axis(view.n, kept, cols) == -2:
+          rspec = P(*([None] * (jnp.ndim(x) - 2)), kept, cols or None)
           derived[k] = (tuple(jnp.shape(x)), rspec)
           out.append(_constrain(x, rspec, on.mesh))
           continue

@@ -174,7 +174,12 @@ def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   is_box = lambda x: isinstance(x, boxes)  # noqa: E731
   leaves = jax.tree.leaves(params, is_leaf=is_box)
   specs, mesh = box_specs(params)
-  owned = sharding.owned_specs(tx, state, pure, specs, dims=dims, mesh=mesh)
+  named = {n for sp in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+           for e in sp if e is not None for n in (e if isinstance(e, tuple) else (e,))}
+  # boxes named by this mesh's axes (not logical names): the update reads them, and the
+  # state's own boxes, as fo.OwnerLayout(state_placed=True) says
+  owned = sharding.owned_specs(tx, state, pure, specs, dims=dims, mesh=mesh,
+                               boxed=mesh is not None and named <= set(mesh.axis_names))
 
   boxed = [x for x in leaves if is_box(x)]
 
