@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import fisher_optax as fo
+from fisher_optax.parallel import sharding as fo_sharding
 from tests import registry
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
@@ -107,7 +108,9 @@ def _spec_of(x):
 
 
 def _want_specs(name, mesh):
-  """What ``fo.state_partition_specs`` gives the state of the same model's plain arrays."""
+  """What ``fo.state_partition_specs``' rules give the state of the same model's plain
+  arrays, for an update that reads the state's layout from its boxes (as the recipe's
+  does: the boxes name this mesh's axes)."""
   with jax.set_mesh(mesh):
     model = nnx.eval_shape(lambda: Model(mesh.axis_names, nnx.Rngs(0)))
   params = nnx.state(model, nnx.Param)
@@ -116,7 +119,9 @@ def _want_specs(name, mesh):
                        is_leaf=lambda x: isinstance(x, nnx.Variable))
   with jax.set_mesh(mesh):  # built where the recipe builds it (the rotation family's
     tx = _optimizer(name)   # state is then on the owners)
-  return fo.state_partition_specs(tx, pure, nnx.as_pure(specs), mesh=mesh)
+  owned = fo_sharding.owned_specs(tx, jax.eval_shape(tx.init, pure), pure,
+                                  nnx.as_pure(specs), mesh=mesh, boxed=True)
+  return jax.tree.map(lambda o: o.spec, owned)
 
 
 def _check_names(name, opt, mesh, *, layout):

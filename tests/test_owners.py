@@ -1191,15 +1191,19 @@ _FSDP_TP = ((4, 2), ("fsdp", "tp"))
 @pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
                                   pytest.param("fira", marks=pytest.mark.slow),
                                   pytest.param("alice0", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("shape,spec", [((8, 16, 24), P(None, "fsdp", "tp")),
-                                        ((8, 24, 16), P(None, "tp", "fsdp"))],
-                         ids=["wide", "tall"])
+@pytest.mark.parametrize("shape,spec,moments", [
+    ((8, 16, 24), P(None, "fsdp", "tp"), P(None, None, ("tp", "fsdp"))),
+    ((8, 24, 16), P(None, "tp", "fsdp"), P(None, None, ("tp", "fsdp"))),
+    ((8, 16, 20), P(None, "fsdp", "tp"), P(None, "fsdp", "tp"))],
+    ids=["wide", "tall", "on_r"])
 def test_coefficients_of_matrices_split_on_both_sides_against_the_float64_reference(
-    name, shape, spec, monkeypatch):
+    name, shape, spec, moments, monkeypatch):
   """FSDP x tensor parallelism: 8 matrices split on both sides over a 4 x 2 Explicit
   mesh (their smaller side over ``fsdp``, their larger over ``tp``), rank 4:
-  ``fo.state_shardings`` splits the coefficients' state on ``r`` over ``fsdp`` and on
-  ``n`` over ``tp``, ``sigma = U^T G`` is summed and scattered on ``r``
+  ``fo.state_shardings`` splits the coefficients' state on ``n`` over ``tp`` then
+  ``fsdp`` (or, where 8 does not divide ``n``, on ``n`` over ``tp`` and ``r`` over
+  ``fsdp``), moving the gradients to their columns would send more, so
+  ``sigma = U^T G`` is summed and scattered where the state is
   (``owners.scatter_rows``), and every update of 7 steps (refreshes at 1, 4 and 7)
   equals the dense float64 re-derivation to float32 rounding."""
   taken = _recorded(monkeypatch, "scatter_rows")
@@ -1209,9 +1213,32 @@ def test_coefficients_of_matrices_split_on_both_sides_against_the_float64_refere
   mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
   specs = fo.state_partition_specs(tx, {"w": jnp.zeros(shape)}, {"w": spec}, mesh=mesh)
-  assert util.coefficient_moments(specs) == {"w": P(None, "fsdp", "tp")}
+  assert util.coefficient_moments(specs) == {"w": moments}
   got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
   assert ("fsdp",) in taken, taken
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("name", ["galore", pytest.param("alice", marks=pytest.mark.slow),
+                                  pytest.param("fira", marks=pytest.mark.slow)])
+def test_matrices_split_on_both_sides_moved_to_their_columns_against_float64(
+    name, monkeypatch):
+  """FSDP x tensor parallelism: 8 matrices 16 x 64 split on both sides over a 4 x 2
+  Explicit mesh, rank 8, where moving each gradient within its ``tp`` block to a split
+  of its columns over ``tp`` and ``fsdp`` sends less than the sum over ``fsdp``
+  (``owners.relay_split``): the coefficients' state is split so, and every update of 7
+  steps (refreshes at 1, 4 and 7) equals the dense float64 re-derivation to float32
+  rounding."""
+  moved = _recorded(monkeypatch, "relay_split")
+  shape, spec = (8, 16, 64), P(None, "fsdp", "tp")
+  grads = util.structured_grads(shape, 7, seed=3)
+  kw = {**registry.WITH_REFERENCE[name], "rank": 8}
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw)
+  got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
+  assert [(2, "tp"), (2, "fsdp")] in moved, moved
   err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
   assert err < 1e-4, err
 

@@ -444,14 +444,16 @@ def test_coefficient_state_of_a_matrix_split_on_both_sides_is_split_on_r_and_n()
   """FSDP x tensor parallelism: a matrix split on both sides (its smaller side over
   ``fsdp``, its larger over ``tp``; wide, tall and square), for an update that knows
   where its state is (``OwnerLayout(param_specs=..., state_placed=True)``, or Explicit
-  mesh axes): the state on its ``r x n`` coefficients is split on ``n`` as the larger
-  side and on ``r`` over the smaller side's axes, not held whole over ``fsdp``; where
-  ``fsdp`` does not divide ``r``, on ``n`` alone. Its basis stays split as the smaller
-  side. For an update that does not know (nothing said on ``Auto`` axes, or no mesh),
-  ``n`` alone, as before."""
+  mesh axes): the state on its ``r x n`` coefficients is split on ``n`` over ``tp`` and
+  then ``fsdp`` where both divide it, else on ``n`` over ``tp`` and on ``r`` over
+  ``fsdp``, not held whole over ``fsdp``; where ``fsdp`` divides neither, on ``n`` over
+  ``tp`` alone. Its basis stays split as the smaller side. For an update that does not
+  know (nothing said on ``Auto`` axes, or no mesh), on ``n`` over ``tp`` alone, as
+  before."""
   params = {"wide": jnp.zeros((16, 24)), "tall": jnp.zeros((24, 16)),
-            "square": jnp.zeros((16, 16))}
-  specs = {"wide": P("fsdp", "tp"), "tall": P("tp", "fsdp"), "square": P("fsdp", "tp")}
+            "square": jnp.zeros((16, 16)), "odd": jnp.zeros((16, 20))}
+  specs = {"wide": P("fsdp", "tp"), "tall": P("tp", "fsdp"), "square": P("fsdp", "tp"),
+           "odd": P("fsdp", "tp")}
   devices = np.array(jax.devices()[:8]).reshape(4, 2)
   mesh = Mesh(devices, ("fsdp", "tp"))
   explicit = Mesh(devices, ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
@@ -466,13 +468,15 @@ def test_coefficient_state_of_a_matrix_split_on_both_sides_is_split_on_r_and_n()
     return util.coefficient_moments(fo.state_partition_specs(tx, params, specs, mesh=m))
 
   for name in ("galore", "alice", "apollo"):
-    both = {k: P("fsdp", "tp") for k in params}
+    both = {k: P(None, ("tp", "fsdp")) for k in params}
+    both["odd"] = P("fsdp", "tp")  # 20 does not divide over 8 devices: r over fsdp
     assert moments(make(name, owner_layout=placed)) == both, name
     assert moments(make(name), explicit) == both, name
     assert moments(make(name)) == {k: P(None, "tp") for k in params}, name
   odd = make("galore", rank=3, owner_layout=placed)
   specs_odd = fo.state_partition_specs(odd, params, specs, mesh=mesh)
-  assert util.coefficient_moments(specs_odd) == {k: P(None, "tp") for k in params}
+  assert util.coefficient_moments(specs_odd) == {
+      **{k: P(None, ("tp", "fsdp")) for k in params}, "odd": P(None, "tp")}
   basis = specs_odd.inner_states["structured"].inner_state[0].basis
   assert basis == {k: P("fsdp") for k in params}, basis
   # given specs but the state not said placed: n alone
@@ -482,14 +486,17 @@ def test_coefficient_state_of_a_matrix_split_on_both_sides_is_split_on_r_and_n()
 
 @pytest.mark.parametrize("shape,spec,mesh_shape,whole_on", [
     ((16, 18), P("fsdp", None), (4,), P("fsdp")),
-    ((16, 24), P("fsdp", "tp"), (4, 2), P("fsdp", "tp"))], ids=["n_not_divided", "both_sides"])
+    ((16, 24), P("fsdp", "tp"), (4, 2), P(None, ("tp", "fsdp"))),
+    ((16, 20), P("fsdp", "tp"), (4, 2), P("fsdp", "tp"))],
+    ids=["n_not_divided", "both_sides", "both_sides_on_r"])
 def test_a_checkpoint_of_whole_coefficient_state_restores_split_on_r(tmp_path, shape, spec,
                                                                       mesh_shape, whole_on):
   """A GaLore state whose ``r x n`` moments were held whole on the rows' devices, as
   ``fo.state_shardings`` placed them where the rows' mesh axes do not divide ``n`` or
   where the columns are split too (the state said placed), saved with orbax and
-  restored with today's shardings: the moments come back split on ``r``, and 3 more
-  steps on the mesh give the updates of the saved state continued on one device."""
+  restored with today's shardings: the moments come back split (on ``r``, or on ``n``
+  over both mesh axes where they divide it), and 3 more steps on the mesh give the
+  updates of the saved state continued on one device."""
   shapes, specs = {"w": shape}, {"w": spec}
   names = ("fsdp", "tp")[:len(mesh_shape)]
   mesh = Mesh(np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape), names)

@@ -19,19 +19,21 @@ fisher_optax blocks (and optax's own), the ``PartitionSpec`` tree of its state:
   where they divide that (the 1B LLaMA's 5461-wide MLP matrices, FSDP over 8 CPU
   devices: GaLore's state per device 1.4x Adam's held whole, 0.36x split on ``r``, for
   the same bytes sent per step); where the parameter is split on both sides (FSDP x
-  tensor parallelism), such state's ``n`` axis follows the larger side, and its ``r``
-  axis is split over the smaller side's mesh axes where they divide it and the update
-  knows where its state is (``Explicit`` mesh axes, ``OwnerLayout(param_specs=...,
-  state_placed=True)``, or boxes named by the mesh's axes), where it sums and scatters
-  ``U^T G`` on ``r`` (at the 60M LLaMA's shapes under FSDP 4 x TP 2 on 8 CPU devices,
-  held whole over the FSDP axis, GaLore's state per device was 0.26x of the parameter
-  bytes against Adam's 0.25x, and 0.20x against 0.063x under FSDP 16 x TP 2 on 32;
-  split so, 0.13x and 0.04x, for the same bytes sent per step; APOLLO sends half,
-  0.044x against 0.092x; Fira, Alice and Alice-0, which gather ``sigma`` whole for
-  ``U sigma``, about 0.065x more); an update that does not know would sum ``U^T G``
-  whole and gather the coefficients again (Alice: 0.36x against 0.17x per step), so
-  there they are held as before; fields whose state NamedTuple
-  declares a role in its ``SHARDING`` class attribute follow it, not their name: ``d x d``
+  tensor parallelism), such state's ``n`` axis follows the larger side, and where the
+  update knows where its state is (``Explicit`` mesh axes, ``OwnerLayout(param_specs=...,
+  state_placed=True)``, or boxes named by the mesh's axes) it is split further over the
+  smaller side's mesh axes, on ``n`` after the larger side's where they divide it, else
+  on ``r`` where they divide that; the update sums and scatters ``U^T G`` onto it, or
+  moves the gradient to its columns where that sends less
+  (:func:`fisher_optax.parallel.owners.relay_split`): at the 60M LLaMA's shapes under
+  FSDP 4 x TP 2 on 8 CPU devices GaLore's state per device was 0.26x of the parameter
+  bytes held whole over the FSDP axis, against Adam's 0.25x, and 0.13x split so, for
+  the same bytes sent per step (APOLLO 0.043x against 0.092x; Fira, Alice and Alice-0,
+  which gather ``sigma`` whole for ``U sigma``, about 0.065x more); under FSDP 16 x TP 2
+  on 32, 0.20x against Adam's 0.063x, and 0.04x split so, with 0.089x sent per step
+  instead of 0.160x. An update that does not know would sum ``U^T G`` whole and gather
+  the coefficients again (Alice: 0.36x against 0.17x per step), so there they are held
+  as before; fields whose state NamedTuple declares a role in its ``SHARDING`` class attribute follow it, not their name: ``d x d``
   rotation statistics and bases (``left_square``/``right_square``) are split on their first
   axis only, a larger side's low-rank basis (``columns``) as a square parameter's columns
   where they are split, tracked ``r x r`` states, eigenvalues and PRNG keys
@@ -132,10 +134,19 @@ def _matrix_entries(trailing: list, role, rows: tuple, cols: tuple, mesh,
       if entry is None:
         entries[-1], entry = _coefficient_split(trailing, smaller, entries[-1], mesh)
       elif crossed and smaller is not None and entries[-1] is None:
-        # split on both sides (FSDP x tensor parallelism): r over the smaller side's axes
-        entries[-1] = smaller
+        # split on both sides (FSDP x tensor parallelism): n over both sides' axes where
+        # they divide it, else r over the smaller side's axes
+        both = _names(entry) + _names(smaller)
+        if trailing[1] % _axis_size(mesh, both):
+          entries[-1] = smaller
+        else:
+          entry = both
     entries.append(entry)
   return entries
+
+
+def _names(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def _coefficient_split(trailing: list, axes, r_entry, mesh) -> tuple:
