@@ -95,10 +95,11 @@ class OwnerLayout:
       over 32 CPU devices: Alice-SOAP 0.186x -> 0.107x of the parameter bytes per
       ordinary step). It also tells ``fo.state_shardings`` that the update knows
       where the state is, so that the low-rank methods' coefficient moments of a
-      matrix split on both sides (FSDP x tensor parallelism) are split on their rank
-      over the FSDP axes too, and summed and scattered there (the 60M LLaMA under FSDP
-      4 x TP 2 on 8 CPU devices: GaLore's state per device 0.26x -> 0.13x of the
-      parameter bytes). Off by default: state placed otherwise (MaxText names it
+      matrix split on both sides (FSDP x tensor parallelism) are split over the FSDP
+      axes too (on ``n`` where the devices divide it, else on ``r``), and summed and
+      scattered there or reached by moving the gradient (the 60M LLaMA under FSDP 4 x
+      TP 2 on 8 CPU devices: GaLore's state per device 0.26x -> 0.13x of the parameter
+      bytes). Off by default: state placed otherwise (MaxText names it
       without a mesh, and holds the coefficients whole) would be gathered back at every
       step (MaxText's GaLore 0.21x -> 0.44x). On ``Explicit`` axes the state's layout
       is read from its types and this is not needed; boxes named by mesh axes, given
