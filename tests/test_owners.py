@@ -1243,6 +1243,46 @@ def test_matrices_split_on_both_sides_moved_to_their_columns_against_float64(
   assert err < 1e-4, err
 
 
+_BOTH_SIDES = {"moved": (16, 64), "on_n": (16, 24), "on_r": (16, 20)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["galore", "alice", "apollo"])
+@pytest.mark.parametrize("kind", ["zero_nan", "tiny", "huge"])
+def test_degenerate_gradients_of_matrices_split_on_both_sides(name, kind, monkeypatch):
+  """FSDP x tensor parallelism on a 4 x 2 Explicit mesh, rank 8: a matrix whose gradient
+  moves to its columns (16 x 64), one whose coefficients are scattered on ``n`` (16 x 24)
+  and one on ``r`` (16 x 20). Zero or NaN gradients in the moved one: one device's
+  updates, that leaf alone affected; gradients near 1e-30 or 1e15 throughout: one
+  device's finite updates over 4 steps with refreshes every 2."""
+  specs = {k: P("fsdp", "tp") for k in _BOTH_SIDES}
+  mesh = jax.make_mesh(*_FSDP_TP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = getattr(fo, name)(0.01, rank=8, interval=2, stack_matrices=False,
+                         dims={k: fo.MatrixDims() for k in _BOTH_SIDES},
+                         **(dict(leading=2) if name == "alice" else {}))
+  params = lambda: util.random_tree(_BOTH_SIDES, 0, 0.1)  # noqa: E731
+  if kind == "zero_nan":
+    grads = lambda t: util.random_tree(_BOTH_SIDES, 100 + 7 * t)  # noqa: E731
+    util.assert_zero_and_nan_stay_in_their_leaf(tx, _BOTH_SIDES, params, grads, specs,
+                                                mesh, leaf="moved", other="on_r")
+    return
+  scale = 1e-30 if kind == "tiny" else 1e15
+  grads = lambda t: jax.tree.map(lambda g: g * scale,  # noqa: E731
+                                 util.random_tree(_BOTH_SIDES, 100 + 7 * t))
+  single, _ = util.run_sharded(tx, params(), grads, specs, 4)
+  moved = _recorded(monkeypatch, "relay_split")
+  scattered = _recorded(monkeypatch, "scatter_rows")
+  with jax.set_mesh(mesh):
+    sharded, _ = util.run_sharded(tx, params(), grads, specs, 4, mesh)
+  assert ("fsdp",) in scattered, scattered
+  if name != "apollo":  # APOLLO's drawn bases: staying sends no more there
+    assert [(2, "tp"), (2, "fsdp")] in moved, moved
+  for k in _BOTH_SIDES:
+    a, b = np.asarray(sharded[k]), np.asarray(single[k])
+    assert np.isfinite(a).all(), k
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_a_random_projection_of_matrices_split_on_both_sides_against_float64(monkeypatch):
   """APOLLO under FSDP x tensor parallelism (8 matrices 16 x 64, rows over ``fsdp`` and
   columns over ``tp`` of a 4 x 2 Explicit mesh, rank 4): ``sigma = U^T G`` is summed and

@@ -529,30 +529,15 @@ def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
   0.442x, Fira 0.527x -> 0.384x, GaLore 0.395x -> 0.384x, the update's temporary
   memory 0.08x to 0.17x more (the bases gathered).
 
-  Split on both sides (FSDP x tensor parallelism, the columns over ``C`` devices), the
-  gradient moves within each block of the columns' axes to a split of its columns over
-  them and the rows' (``[(2, column axis), ..., (2, row axis), ...]``), where that
-  divides ``n`` and where ``2 m n / (R C) + m r`` is less than ``2 r n / C``, the least
-  that staying sends (a reduce-scatter and a gather of the coefficients, GaLore's), so
-  that no source sends more for it. At the 60M LLaMA's shapes under FSDP 16 x TP 2 over
-  32 CPU devices (its 512 x 1376 MLP matrices move, its 512 x 512 attention matrices
-  stay): GaLore 0.160x -> 0.089x, Fira 0.241x -> 0.103x, Alice 0.274x -> 0.135x,
-  APOLLO 0.053x -> 0.024x; under FSDP 4 x TP 2 over 8 nothing moves."""
+  Split on both sides (FSDP x tensor parallelism): :func:`_relay_both_sides`."""
   rows = _rows_where_state_is(view, key, rank, crossed=True)
   if not rows:
     return None
-  mesh = _ACTIVE.get().mesh
-  size = math.prod(mesh.shape[n] for n in rows)
-  m, n, r = view.m, view.n, rank
   cols = split_columns(view, key)
-  if cols:  # split on both sides: moved within each block of the columns' axes
-    whole = size * math.prod(mesh.shape[c] for c in cols)
-    # against the least that staying costs (GaLore's reduce-scatter and gather, 2 r n
-    # over the columns' devices), so that no source sends more for the move
-    if n % whole or (2 * m * n / whole + (m * r if basis_sent else 0)
-                     >= min(stay, 2.0) * r * n * size / whole):
-      return None
-    return [(2, c) for c in cols] + [(2, name) for name in rows]
+  if cols:
+    return _relay_both_sides(view, rank, rows, cols, stay, basis_sent)
+  size = math.prod(_ACTIVE.get().mesh.shape[n] for n in rows)
+  m, n, r = view.m, view.n, rank
   if n % size:  # the state split on r: the coefficients cross to it and back
     even = -(-n // size) * size
     sent = 2 * m * even / size + (m * r if basis_sent else 0) + 2 * r * even / size
@@ -561,6 +546,29 @@ def relay_split(view, key: str, rank: int, *, stay: float = 3.0,
   elif 2 * m * n / size + (m * r if basis_sent else 0) >= stay * r * n:
     return None
   return [(2, name) for name in rows]
+
+
+def _relay_both_sides(view, rank: int, rows: tuple, cols: tuple, stay: float,
+                      basis_sent: bool) -> Optional[list]:
+  """:func:`relay_split` for a gradient split on both sides (rows over ``rows``, columns
+  over ``cols``: FSDP x tensor parallelism, the rows over ``R`` devices and the columns
+  over ``C``): moved within each block of the columns' axes to a split of its columns
+  over them and the rows' (``[(2, column axis), ..., (2, row axis), ...]``), where that
+  divides ``n`` and where ``2 m n / (R C) + m r`` is less than ``2 r n / C``, the least
+  that staying sends (a reduce-scatter and a gather of the coefficients, GaLore's), so
+  that no source sends more for it; else ``None``. At the 60M LLaMA's shapes under FSDP
+  16 x TP 2 over 32 CPU devices (its 512 x 1376 MLP matrices move, its 512 x 512
+  attention matrices stay): GaLore 0.160x -> 0.089x of the parameter bytes per ordinary
+  step, Fira 0.241x -> 0.103x, Alice 0.274x -> 0.135x, APOLLO 0.053x -> 0.024x; under
+  FSDP 4 x TP 2 over 8 nothing moves."""
+  mesh = _ACTIVE.get().mesh
+  size = math.prod(mesh.shape[n] for n in rows)
+  whole = size * math.prod(mesh.shape[c] for c in cols)
+  m, n, r = view.m, view.n, rank
+  if n % whole or (2 * m * n / whole + (m * r if basis_sent else 0)
+                   >= min(stay, 2.0) * r * n * size / whole):
+    return None
+  return [(2, c) for c in cols] + [(2, name) for name in rows]
 
 
 def coefficient_axis(n: int, axes: tuple, cols: tuple = ()) -> int:
