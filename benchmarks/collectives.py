@@ -3,7 +3,8 @@ compiled program.
 
     python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
-                                     [--owner-layout default|on|off|mesh] [--time N]
+                                     [--owner-layout default|on|off|mesh|state]
+                                     [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
 the state's from ``fo.state_shardings``) is compiled on abstract shapes of a LLaMA
@@ -37,7 +38,9 @@ per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the opt
 built and the update traced under the mesh as the context mesh (``jax.set_mesh``);
 ``--owner-layout`` sets their
 ``owner_layout`` (default: each optimizer's own default; ``off``: every matrix's work
-where its shards are, as before the owner layout). ``--time N`` also runs each compiled
+where its shards are, as before the owner layout; ``state``: GaLore's, Fira's, Alice's
+and Alice-0's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``, the others
+at their default). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
@@ -294,7 +297,9 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
   return Mesh(devs, ("fsdp",), axis_types=(kind,))
 
 
-OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh"}
+OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state"}
+# the optimizers that keep their state on the owners with OwnerLayout(state_on_owners=True)
+STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0")
 
 
 def _keywords(name: str) -> dict:
@@ -328,6 +333,8 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
   if step_time._ours(name):
     kw = dict(stack_matrices=False)
     setting = OWNER[owner]
+    if setting == "state":  # the low-rank family's state on the owners; the others' default
+      setting = fo.OwnerLayout(state_on_owners=True) if name in STATE_ON_OWNERS else None
     if setting is None and param_specs is not None:
       setting = _default_owner_layout(name)
     if setting == "mesh":
@@ -337,7 +344,7 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
       # the state is placed by fo.state_shardings on the mesh (measure()): said so
       setting = fo.OwnerLayout(mesh=layout.mesh, transport_dtype=layout.transport_dtype,
                                replicated=layout.replicated, param_specs=param_specs,
-                               state_placed=True)
+                               state_placed=True, state_on_owners=layout.state_on_owners)
     if setting is not None:
       kw["owner_layout"] = setting
     if max_precond_dim is not None and "max_precond_dim" in _keywords(name):
@@ -529,8 +536,10 @@ def main(argv=None):
   ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "dp"))
   ap.add_argument("--optimizers", default=",".join(DEFAULT))
   ap.add_argument("--owner-layout", default="default", choices=tuple(OWNER),
-                  help="the library's owner_layout: each optimizer's default, on, off, or "
-                  "the mesh itself (the rotation family's state in the owner layout)")
+                  help="the library's owner_layout: each optimizer's default, on, off, "
+                  "the mesh itself (the rotation family's state in the owner layout), or "
+                  "state (GaLore's, Fira's, Alice's and Alice-0's state on the owners: "
+                  "OwnerLayout(state_on_owners=True))")
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")

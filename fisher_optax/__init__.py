@@ -31,6 +31,7 @@ from fisher_optax.inspect.memory import paper_state_numbers, state_bytes, state_
 from fisher_optax.matrices import (EMBEDDING, NOT_A_MATRIX, DimsRule, Embedding, MatrixDims,
                                    Unclassified)
 from fisher_optax.model_dims import ModelDims, einsum_dims
+from fisher_optax.owned_stacks import OwnedStacksState
 from fisher_optax.parallel.explicit_axes import with_auto_axes
 from fisher_optax.parallel.owners import OwnerLayout, owner_layout
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
@@ -54,7 +55,7 @@ __all__ = [
     "switch", "whiten", "Subspace", "SubspaceGuard", "SubspaceRefresh", "SvdRefresh", "Switch",
     # states
     "CompensateState", "LowRankTrackLargerState", "LowRankTrackState",
-    "NormGrowthLimiterState", "OnCoefficientsState",
+    "NormGrowthLimiterState", "OnCoefficientsState", "OwnedStacksState",
     "PowerTrackState", "RandomProjectState", "RotateLocalState", "RotateOwnedState",
     "RotateSideState", "RotateState",
     "ScaleByBiasCorrectionState", "ScaleByMomentsState", "ScaleByMomentumState",

@@ -9,6 +9,8 @@ the same on every device and after a restore.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Optional
 
 import jax
@@ -52,3 +54,31 @@ def words(key: jax.Array, refresh: jax.Array, num_matrices: int, width: int,
   at_refresh = refresh_key(key, refresh)
   return jax.vmap(lambda j: jax.random.bits(matrix_key(at_refresh, j), (width,),
                                             jnp.uint32))(rows)
+
+
+# Per leaf of the tree a block is updating, its matrices' tree-wide indices, where a layout
+# moved them out of the tree's order (None: leaves in order, stacks flattened).
+_INDICES: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_matrix_indices",
+                                                         default=None)
+
+
+@contextlib.contextmanager
+def indexed(indices: list):
+  """Traces a block's update of a tree whose leaf ``i`` holds the matrices ``indices[i]``
+  (uint32, one per matrix, stacks flattened) of the tree the optimizer was given: a
+  layout that moves matrices (``fisher_optax.owned_stacks``) keeps each matrix's draws."""
+  token = _INDICES.set(list(indices))
+  try:
+    yield
+  finally:
+    _INDICES.reset(token)
+
+
+def tree_indices(rows: list) -> list:
+  """Per leaf of the tree being updated (``rows[i]`` matrices), its matrices' tree-wide
+  indices: ``0, 1, ...`` over the leaves in order, unless :func:`indexed` names them."""
+  given = _INDICES.get()
+  if given is not None and len(given) == len(rows):
+    return [jnp.asarray(x, jnp.uint32).reshape(-1)[:r] for x, r in zip(given, rows)]
+  starts = [sum(rows[:i]) for i in range(len(rows))]
+  return [s + jnp.arange(r, dtype=jnp.uint32) for s, r in zip(starts, rows)]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import lifting, matrices, model_dims, routing
+from fisher_optax import lifting, matrices, model_dims, owned_stacks, routing
 
 
 class StackMatricesState(NamedTuple):
@@ -379,8 +379,26 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   if not found:
     raise ValueError("convert_state_layout: tx holds no fisher_optax named optimizer "
                      "(fo.racs, fo.alice, ...), so it has no stack_matrices layout")
+  owned = [_holds_owned(x) for x in (state, template)]
+  if owned[0] != owned[1]:
+    raise ValueError(
+        "convert_state_layout: the state "
+        f"{'holds' if owned[0] else 'holds no'} OwnedStacksState and the target "
+        f"optimizer's {'does not' if owned[0] else 'does'}: a state kept on the owners "
+        "(OwnerLayout(state_on_owners=True)) converts to and from its own layout only. It "
+        "records the device count it is padded for and continues on any mesh or on one "
+        "device: restore it with the optimizer it was saved with, state_on_owners set as "
+        "then.")
   plans = []
   for rec in found:
     p, index = plan_routed(rec.params, rec.labels, rec.routed.dims)
     plans.append((rec, p, index))
   return _convert(state, template, plans, ())
+
+
+def _holds_owned(state: Any) -> bool:
+  """Whether ``state`` holds a state kept on the owners
+  (:class:`~fisher_optax.OwnedStacksState`)."""
+  kind = owned_stacks.OwnedStacksState
+  return any(isinstance(x, kind) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, kind)))

@@ -195,6 +195,31 @@ def test_collectives_script_reads_the_split_from_placed_arrays(tmp_path):
   assert rows["muon"]["ordinary_ratio"] > 10 * rows["fo_muon"]["ordinary_ratio"], rows
 
 
+@pytest.mark.example
+def test_collectives_script_keeps_the_low_rank_state_on_the_owners(tmp_path):
+  """The script with ``--owner-layout state`` (GaLore at ``tiny``, FSDP on 8 devices, the
+  split given): GaLore's ordinary step is its two exchanges, and sends less than with
+  its state laid out as the parameters."""
+  import json
+  import pathlib
+  import subprocess
+  import sys
+
+  from tests.util import HANG_S
+  root = pathlib.Path(__file__).resolve().parents[1]
+  rows = {}
+  for owner in ("state", "default"):
+    out = tmp_path / f"{owner}.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
+                    "tiny", "--devices", "8", "--axis-types", "given", "--no-train-step",
+                    "--optimizers", "galore", "--owner-layout", owner, "--json", str(out)],
+                   capture_output=True, text=True, timeout=HANG_S, check=True)
+    rows[owner] = json.loads(out.read_text())[0]
+  assert rows["state"]["owner_layout"] == "state"
+  assert rows["state"]["ordinary_collectives"] == 2, rows["state"]
+  assert rows["state"]["ordinary_ratio"] < rows["default"]["ordinary_ratio"], rows
+
+
 def _largest_collective(text):
   """Bytes of the largest collective result in an HLO text (async starts included)."""
   out = 0

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Union
 import jax
 import optax
 
-from fisher_optax import matrices, model_dims, routing, stacking, validation
+from fisher_optax import matrices, model_dims, owned_stacks, routing, stacking, validation
 from fisher_optax.parallel import explicit_axes, owners
 
 
@@ -154,7 +154,8 @@ def _ex(call: str) -> str:
 
 def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dims, fallback,
             weight_decay=None, *, name: str = "structured", rank: Optional[int] = None,
-            stack: Union[bool, str] = False, fallback_lr=None, owner=False):
+            stack: Union[bool, str] = False, fallback_lr=None, owner=False,
+            owned: bool = False):
   """Closes a chain: ``blocks(block_dims)``, decoupled weight decay on the structured
   leaves, then the step size; then the optional stacked layout, ``Auto`` axes under an
   ``Explicit`` mesh (:func:`fisher_optax.with_auto_axes`), the owner layout
@@ -180,8 +181,19 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
   decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
   dims = model_dims.as_dims(dims)  # optax.contrib.MuonDimensionNumbers trees read here
   stack = stacking.resolve(stack)
-  structured = optax.chain(*blocks(None if stack else dims), *decay,
-                           optax.scale_by_learning_rate(learning_rate))
+  devices = _owned_devices(owner, owned, name)
+  if devices:  # the chain's state on the owners (fisher_optax.owned_stacks), no stacks
+    stack = False
+    structured = optax.chain(
+        owned_stacks.owned_stacks(
+            lambda d: optax.chain(*blocks(d)), devices=devices, dims=dims,
+            param_specs=owners.as_layout(owner).param_specs,
+            mesh=owners.as_layout(owner).mesh or jax.sharding.get_abstract_mesh(),
+            rank=rank, summed=2.0 if name == "galore" else 3.0),
+        *decay, optax.scale_by_learning_rate(learning_rate))
+  else:
+    structured = optax.chain(*blocks(None if stack else dims), *decay,
+                             optax.scale_by_learning_rate(learning_rate))
   if stack:
     structured = stacking.stack_matrices(structured, dims=dims)
   # under a context mesh with ``Explicit`` axes the structured rule runs on ``Auto`` axes;
@@ -199,7 +211,36 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
                                  owner_specs=getattr(owners.as_layout(owner), "param_specs",
                                                      None) is not None,
                                  owner_placed=bool(getattr(owners.as_layout(owner),
-                                                           "state_placed", False))))
+                                                           "state_placed", False)),
+                                 owned_devices=devices))
+
+
+def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
+  """The device count the chain's state is kept on the owners for
+  (``OwnerLayout(state_on_owners=True)``): the size of the layout's mesh, else of the
+  context mesh when the optimizer is built; ``None`` where it is not asked for. Asked
+  for where the optimizer cannot keep it (``owned``: the low-rank family), or with no
+  mesh of several devices to pad for, it raises."""
+  layout = owners.as_layout(owner)
+  if layout is None or not layout.state_on_owners:
+    return None
+  if not owned:
+    raise ValueError(
+        f"fo.{name}: OwnerLayout(state_on_owners=True) keeps the low-rank family's state "
+        "on the owners (galore, fira, alice, alice0). The rotation family (soap, "
+        "shampoo, eigen_adam) keeps its state there when built under a mesh "
+        "(owner_layout='auto' or a mesh); the others keep theirs as the parameters: "
+        "leave state_on_owners out.")
+  devices = owners.state_devices(layout)
+  if devices == owners.AUTO:
+    devices = owners.build_devices()
+  if not devices:
+    raise ValueError(
+        f"fo.{name}: OwnerLayout(state_on_owners=True) pads the state for the mesh's "
+        "device count, and there is no mesh of several devices: build the optimizer "
+        "under `with jax.set_mesh(mesh):`, or give OwnerLayout(mesh=mesh, "
+        "state_on_owners=True).")
+  return devices
 
 
 # Arguments that fix array shapes. optax.inject_hyperparams turns every numeric argument

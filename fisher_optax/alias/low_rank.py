@@ -105,7 +105,7 @@ def alice(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, owner=owner_layout, name="alice", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, owned=True, name="alice", rank=rank)
 
 
 @named('alice0(1e-2, rank=4, leading=1)', static_args=('rank', 'leading'))
@@ -156,7 +156,7 @@ def alice0(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, owner=owner_layout, name="alice0", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, owned=True, name="alice0", rank=rank)
 
 
 @named('alice_soap(1e-2, rank=4, leading=1)', static_args=('rank', 'right_rank', 'leading'))

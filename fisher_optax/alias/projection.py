@@ -68,7 +68,7 @@ def galore(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: 
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, owner=owner_layout, name="galore",
+                 stack=stack_matrices, owner=owner_layout, owned=True, name="galore",
                  rank=rank)
 
 
@@ -118,7 +118,7 @@ def fira(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256, interval: in
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, owner=owner_layout, name="fira",
+                 stack=stack_matrices, owner=owner_layout, owned=True, name="fira",
                  rank=rank)
 
 

@@ -340,7 +340,7 @@ class _Tracker:
     sizes = [max(self.policy.noise_size(g.shape[-2], u.shape[-1]), 1)
              for g, u in zip(gs, us)]
     rows = [g.shape[0] for g in gs]
-    starts = [sum(rows[:i]) for i in range(len(rows))]
+    tree = rng.tree_indices(rows)
     # one draw per width, each matrix's row as long as it reads: drawn at the widest,
     # the output layer's coefficients (32000 rows at the 60M LLaMA's shapes) made every
     # matrix's row 31872 words, 7.3 MB on every device under FSDP over 32 devices, four
@@ -348,8 +348,7 @@ class _Tracker:
     out: list = [None] * len(gs)
     for width in sorted(set(sizes)):
       members = [i for i, z in enumerate(sizes) if z == width]
-      ids = jnp.concatenate([starts[i] + jnp.arange(rows[i], dtype=jnp.uint32)
-                             for i in members])
+      ids = jnp.concatenate([tree[i] for i in members])
       words = rng.words(key, count, len(ids), width, rows=ids)
       local = list(itertools.accumulate([0] + [rows[i] for i in members]))
       parts = grouping.split(words, local[:-1], [rows[i] for i in members])

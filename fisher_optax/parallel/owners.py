@@ -105,6 +105,14 @@ class OwnerLayout:
       is read from its types and this is not needed; boxes named by mesh axes, given
       to ``init`` under the mesh, say it themselves (the state's own boxes carry
       ``fo.state_shardings``' names, by which the Flax recipes lay it out).
+    state_on_owners: the low-rank family's state (GaLore, Fira, Alice, Alice-0) kept
+      on the matrices' owners across steps (``fisher_optax.owned_stacks``): stacks of
+      same-size matrices padded for the device count of ``mesh``, else of the context
+      mesh when the optimizer is built; the gradients travel to their owners and the
+      updates back by one ``all_to_all`` each, and the tracking, the optimizer on the
+      coefficients and the compensation run on whole local matrices. Each device then
+      sends about ``2/P`` of those matrices' bytes per update instead of summing
+      ``U^T G`` over a split side or gathering the basis ``U`` at every step.
   """
   mesh: Any = None
   transport_dtype: Any = None
@@ -112,6 +120,7 @@ class OwnerLayout:
   param_specs: Any = dataclasses.field(default=None, hash=False, compare=False)
   guessed: bool = True
   state_placed: bool = False
+  state_on_owners: bool = False
 
 
 class _Active(NamedTuple):
@@ -1673,7 +1682,10 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
     outs, new = [], []
     with using(None):
       for g, (stack, st) in enumerate(zip(whole, states)):
-        out, st = _on_owner(body, g, stack, st, _holds(slots[g], lengths[g], plan.size, me))
+        per = lengths[g] // plan.size  # this device's slots of the group
+        with _running(me * per + jnp.arange(per)):
+          out, st = _on_owner(body, g, stack, st,
+                              _holds(slots[g], lengths[g], plan.size, me))
         outs.append(out)
         new.append(st)
     back = jax.lax.all_to_all(plan.rows_back([send(outs[g]) for g, _ in entries], me),
@@ -1726,6 +1738,29 @@ def _on_owner(body, g: int, stack, state, holds) -> tuple:
   return jax.lax.cond(holds, lambda: body(g, stack, state), idle)
 
 
+# The slots of the group's stack that :func:`run_owned`'s ``body`` is traced on (None:
+# outside it).
+_SLOTS: contextvars.ContextVar = contextvars.ContextVar("fisher_optax_running_slots",
+                                                        default=None)
+
+
+@contextlib.contextmanager
+def _running(slots: jax.Array):
+  token = _SLOTS.set(slots)
+  try:
+    yield
+  finally:
+    _SLOTS.reset(token)
+
+
+def running_slots() -> Optional[jax.Array]:
+  """Inside :func:`run_owned`'s ``body``, the slot (in the group's stack of
+  ``lengths[g]``) of each matrix of the stack it runs on (``int32``; on an owner its own
+  slots, a run-time value), else ``None``: for a body whose results depend on which
+  matrix it holds (per-matrix random draws)."""
+  return _SLOTS.get()
+
+
 def _run_padded(body, moved, owned, slots, lengths) -> tuple:
   """:func:`run_owned` without owners: ``body`` on each group's real matrices (its leaves'
   stacks concatenated), their state taken from their slots and put back (the same
@@ -1735,10 +1770,12 @@ def _run_padded(body, moved, owned, slots, lengths) -> tuple:
     for g, (xs, st, sl, n) in enumerate(zip(moved, owned, slots, lengths)):
       x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=0)
       if list(sl) == list(range(n)):
-        out, st = body(g, x, st)
+        with _running(jnp.arange(n)):
+          out, st = body(g, x, st)
       else:
         at = jnp.asarray(sl)
-        out, mine = body(g, x, jax.tree.map(lambda y: y[at] if jnp.ndim(y) else y, st))
+        with _running(at):
+          out, mine = body(g, x, jax.tree.map(lambda y: y[at] if jnp.ndim(y) else y, st))
         st = jax.tree.map(lambda old, y: old.at[at].set(y) if jnp.ndim(old) else y, st, mine)
       sizes = [y.shape[0] for y in xs]
       outs.append([jax.lax.slice_in_dim(out, sum(sizes[:j]), sum(sizes[:j + 1]))

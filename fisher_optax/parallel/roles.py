@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 # Roles a state field declares for its arrays, in its NamedTuple's ``SHARDING`` class
 # attribute ({field: role}); undeclared fields are "auto" (matched by size).
@@ -44,8 +45,16 @@ def field_roles(state: Any) -> dict:
           if decl[name] not in ROLES:
             raise ValueError(f"{type(node).__name__}.SHARDING[{name!r}] = {decl[name]!r}: "
                              f"not one of {ROLES}")
-          for sub, _ in jax.tree_util.tree_flatten_with_path(getattr(node, name))[0]:
-            out[jax.tree_util.keystr(where + tuple(sub))] = decl[name]
+          inner: dict = {}
+          if decl[name] == "owners":
+            # a state kept on owners whole (fisher_optax.owned_stacks): its constants of
+            # no stack axis (a PRNG key) stay replicated
+            inner = field_roles(getattr(node, name))
+          for sub, x in jax.tree_util.tree_flatten_with_path(getattr(node, name))[0]:
+            role = decl[name]
+            if inner.get(jax.tree_util.keystr(tuple(sub))) == "replicated" and jnp.ndim(x) == 1:
+              role = "replicated"
+            out[jax.tree_util.keystr(where + tuple(sub))] = role
         else:
           walk(getattr(node, name), where)
 

@@ -1,0 +1,352 @@
+"""A matrix transformation's whole state on the matrices' owner devices across steps.
+
+:func:`owned_stacks` runs a chain of matrix blocks (the low-rank family's tracking, the
+optimizer on the coefficients, compensation) on stacks of same-size matrices kept in the
+owner layout of a mesh of ``P`` devices (:mod:`fisher_optax.parallel.owners`:
+``placement``, ``run_owned``): every matrix of the tree with the same sides is one
+stack, its smaller side first (an ``n x m`` matrix held transposed, as the low-rank
+blocks hold it: they work on the smaller side), padded to ``c P`` slots; each device
+keeps the state of its slots, the gradients come to their owners and the updates go
+back by one ``all_to_all`` each, and the chain's mathematics, refreshes included, runs
+on whole local matrices with no collective. Each device then sends about ``2/P`` of the
+moved matrices' bytes per update, where on the parameters' layout a low-rank method
+sums ``U^T G`` over a split side at every step, or moves the gradient to its columns and
+gathers its basis ``U`` (``m r`` values per matrix and device, whatever ``P``).
+
+The matrices that move are those split on their smaller side, where a low-rank method's
+update communicates at every step, up to the size where a model of what each way sends
+says moving costs more (:func:`_moving_sizes`: a matrix far above a device's share would
+alone set the length of every device's exchange); the others stay where their shards are,
+their state laid out as the parameters, as without this layout.
+
+Per matrix the update is the chain's (its blocks map their per-matrix equations over a
+stack), random draws included: each matrix keeps the index its draws are named by
+(:mod:`fisher_optax.rng`, its place in the tree), wherever its slot is. What changes is
+the state's layout. Padding slots hold zero matrices, which every block takes as a zero
+gradient.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from fisher_optax import lifting, matrices, model_dims, rng
+from fisher_optax.parallel import owners
+
+
+class OwnedStacksState(NamedTuple):
+  """The state of :func:`owned_stacks`.
+
+  ``owned``: one entry per matrix size ``"m x n"`` (``m <= n``), the inner chain's state
+  over a stack of ``c P`` slots (``parallel/owners.py``, ``placement``), split over the
+  mesh on its leading axis (role ``owners``). ``local``: the inner chain's state of the
+  leaves that stay where their shards are (the others ``None``), laid out as the
+  parameters. ``load``: the elements each of the ``P`` devices owns (``int32 (P,)``);
+  its length is the device count the stacks are padded for, which the update reads, so
+  a state restored onto another mesh continues in its own layout."""
+  owned: Any
+  local: Any
+  load: jax.Array
+  SHARDING = {"owned": "owners", "load": "replicated"}  # roles for parallel/sharding.py
+
+
+class _Plan(NamedTuple):
+  leaves: list
+  treedef: Any
+  views: list
+  here: list  # per leaf: stays where its shards are
+  keys: list  # the owned groups, sorted
+  groups: dict  # key -> member leaf indices
+  slots: list
+  lengths: list
+  load: list
+
+
+def _key(view: matrices.MatrixView) -> str:
+  """The group of a leaf's matrices: ``"m x n"``, the smaller side first."""
+  return f"{min(view.fan_in, view.fan_out)}x{max(view.fan_in, view.fan_out)}"
+
+
+def _turned(view: matrices.MatrixView) -> bool:
+  """Whether the stacks hold the leaf's matrices transposed (its rows the larger side)."""
+  return view.fan_in > view.fan_out
+
+
+def _plan(tree: Any, dims: matrices.DimsSpec, devices: int, moving,
+          rank: Optional[int] = None, summed: float = 3.0) -> _Plan:
+  """The groups of ``tree``'s matrices by size and the placement of those that move:
+  ``moving`` names their groups (a state's ``owned`` keys), or gives per leaf the
+  devices over its sides where its smaller side is split (:func:`_split_smaller`), from
+  which :func:`_moving_sizes` chooses."""
+  leaves, treedef = jax.tree.flatten(tree)
+  dims_leaves = treedef.flatten_up_to(model_dims.resolve_dims(dims, tree))
+  views = [matrices.matrix_view(jnp.shape(x), d, what="owned_stacks")
+           for x, d in zip(leaves, dims_leaves)]
+  if not isinstance(moving, (set, frozenset)):
+    moving = _moving_sizes(views, moving, devices, rank, summed)
+  here = [_key(v) not in moving for v in views]
+  groups: dict = {}
+  for i, (v, h) in enumerate(zip(views, here)):
+    if not h:
+      groups.setdefault(_key(v), []).append(i)
+  keys = sorted(groups)
+  counts = [sum(views[i].num_matrices for i in groups[k]) for k in keys]
+  per = [views[groups[k][0]].fan_in * views[groups[k][0]].fan_out for k in keys]
+  slots, lengths = owners.placement(counts, per, devices)
+  return _Plan(leaves, treedef, views, here, keys, groups, slots, lengths,
+               _load(slots, lengths, per, devices))
+
+
+def _load(slots: list, lengths: list, sizes: list, devices: int) -> list:
+  """The elements each device owns where the matrices of groups of ``sizes`` elements
+  sit in ``slots`` of stacks of ``lengths`` (``parallel/owners.py``, ``placement``)."""
+  load = [0] * devices
+  for sl, n, size in zip(slots, lengths, sizes):
+    for s in sl:
+      load[s // (n // devices)] += size
+  return load
+
+
+def _moving_sizes(views: list, splits: list, devices: int, rank: Optional[int],
+                  summed: float = 3.0) -> set:
+  """The sizes whose matrices move: of those split on their smaller side (``splits``:
+  per leaf ``(R, C)``, the devices over its smaller and its larger side, ``None`` where
+  the smaller side is whole: a low-rank update then sends nothing for it), the smallest
+  ones up to the threshold that sends least by the model below.
+
+  Moved, the matrices make one exchange each way whose rows are as long as the most one
+  device owns, ``L`` (``parallel/owners.py``, ``placement``): ``2 L (P - 1) / P``
+  values per device. Left where their shards are, an ``m x n`` matrix (``m <= n``, rank
+  ``r``) sends what the cheaper of a low-rank update's two ways sends
+  (``parallel/owners.py``, ``relay_split``), each over rings of ``R`` devices
+  (``(R - 1) / R`` of it): ``U^T G`` summed and scattered and the coefficients gathered,
+  ``summed r n / C`` (``summed``: 2 for GaLore, 3 where ``sigma`` is gathered again, as
+  ``relay_split`` counts it), or the gradient moved to its columns and back and the
+  basis gathered, ``2 m n / (R C) + m r``. A matrix far above a device's share (the
+  embedding and output layer of a small model) would alone set ``L`` and stays.
+
+  Against the programs XLA compiled (the LLaMA example's shapes, split given, CPU
+  devices), the model errs on the side of moving under tensor parallelism: at ``tiny``
+  under FSDP 4 x TP 2 it puts what GaLore sends where its shards are at 0.19x of the
+  parameter bytes, measured 0.14x; so GaLore keeps its layout there, which sends the
+  least, and Fira, Alice and Alice-0 move their layers' matrices, which sends less
+  than they did before."""
+  cand: dict = {}
+  for v, sp in zip(views, splits):
+    if sp is None:
+      continue
+    m, n = sorted((v.fan_in, v.fan_out))
+    r = m if rank is None else min(rank, m)
+    big, small = sp
+    stay = (min(summed * r * n / small, 2 * m * n / (big * small) + m * r)
+            * (big - 1) / big * v.num_matrices)
+    size, count, cost = cand.get(_key(v), (m * n, 0, 0.0))
+    cand[_key(v)] = (size, count + v.num_matrices, cost + stay)
+  order = sorted(cand, key=lambda k: cand[k][0])
+  best, best_cost = 0, sum(c for _, _, c in cand.values())
+  for t in range(1, len(order) + 1):
+    moved = order[:t]
+    sizes = [cand[k][0] for k in moved]
+    load = _load(*owners.placement([cand[k][1] for k in moved], sizes, devices), sizes,
+                 devices)
+    cost = (2 * max(load) * (devices - 1) / devices
+            + sum(cand[k][2] for k in order[t:]))
+    if cost < best_cost:
+      best, best_cost = t, cost
+  return set(order[:best])
+
+
+def _split_smaller(view: matrices.MatrixView, spec: Optional[P], devices: int,
+                   sizes: Optional[dict], mesh: Any = None) -> Optional[tuple]:
+  """``(R, C)``: the devices over a leaf's smaller side (either side of a square one) and
+  over its larger side, where the smaller side is split; else ``None``. Read from
+  ``spec`` (mesh axes of size one split nothing; an axis of unknown size, where
+  ``sizes`` does not give the mesh's, counts as ``P``), else guessed as the owner layout
+  guesses it on ``mesh`` (``parallel/owners.py``, ``_matrix_split``: FSDP's split on a
+  mesh of one axis, Megatron's on one of several), or without one as FSDP over
+  ``devices`` splits it (the larger side where the devices divide it, else the
+  other)."""
+  small, large = sorted((view.fan_in, view.fan_out))
+  if spec is None:
+    guess = None if mesh is None else owners._matrix_split((1, view.fan_in, view.fan_out),
+                                                           mesh)
+    if guess is None:
+      if small == large or large % devices:
+        return (devices, 1) if small % devices == 0 else None
+      return None
+    names = {1: [], 2: []}
+    for a, name in guess:
+      names[a].append(name)
+    spec = P(tuple(names[1]) or None, tuple(names[2]) or None)
+    view = matrices.matrix_view((view.fan_in, view.fan_out), None, what="owned_stacks")
+  entries = list(spec) + [None] * (len(view.shape) - len(spec))
+
+  def split(axes) -> int:
+    names = [n for a in axes if entries[a] is not None
+             for n in (entries[a] if isinstance(entries[a], tuple) else (entries[a],))]
+    count = 1
+    for name in names:
+      count *= devices if sizes is None else sizes.get(name, devices)
+    return count
+
+  rows, cols = split(view.rows), split(view.cols)
+  if view.fan_in == view.fan_out:
+    rows, cols = max(rows, cols), min(rows, cols)
+  elif view.fan_in > view.fan_out:
+    rows, cols = cols, rows
+  return (rows, cols) if rows > 1 else None
+
+
+def _local(p: _Plan, leaves: Optional[list] = None) -> Any:
+  """The tree with the moved leaves replaced by ``None``."""
+  leaves = p.leaves if leaves is None else leaves
+  return p.treedef.unflatten([x if h else None for x, h in zip(leaves, p.here)])
+
+
+def _stack_part(state: Any, length: int) -> tuple:
+  """The leaves of a group's state that the owners keep (scalars, and arrays whose
+  leading axis is the group's slots), and the others (constants such as a PRNG key),
+  which every device holds whole."""
+  leaves, treedef = jax.tree.flatten(state)
+  kept = [jnp.ndim(x) == 0 or jnp.shape(x)[0] == length for x in leaves]
+  return leaves, treedef, kept
+
+
+def _slot_indices(p: _Plan, g: int, firsts: list) -> jax.Array:
+  """Per slot of group ``g``'s stack, the tree-wide index of the matrix it holds (leaves
+  in order, stacks flattened: the index its random draws are named by,
+  :mod:`fisher_optax.rng`); padding slots get indices past the tree's."""
+  members = [firsts[i] + j for i in p.groups[p.keys[g]]
+             for j in range(p.views[i].num_matrices)]
+  table = list(range(firsts[-1], firsts[-1] + p.lengths[g]))
+  for slot, index in zip(p.slots[g], members):
+    table[slot] = index
+  return jnp.asarray(table, jnp.uint32)
+
+
+def owned_stacks(build: Callable[[matrices.DimsSpec], optax.GradientTransformation], *,
+                 devices: int, dims: matrices.DimsSpec = None, param_specs: Any = None,
+                 mesh: Any = None, rank: Optional[int] = None, summed: float = 3.0
+                 ) -> optax.GradientTransformationExtraArgs:
+  """``build(dims)``'s chain with its state on the owners of ``devices`` devices (module
+  docstring).
+
+  Args:
+    build: the chain for matrix axes ``dims``: called with ``None`` for the owned stacks
+      ``(c P, fan_in, fan_out)`` and with the leaves' own ``dims`` for the leaves that
+      stay where their shards are. A chain of matrix blocks that treats matrices one by
+      one and needs no parameters (decay and step size come after it).
+    devices: ``P``, the device count the stacks are padded for.
+    dims: the leaves' matrix axes.
+    param_specs: the parameters' ``PartitionSpec`` s where known when the optimizer is
+      built (``OwnerLayout(param_specs=...)``); elsewhere the split is guessed from the
+      shapes (:func:`_split_smaller`). Only what the optimizer was built with and the
+      shapes decide the state's structure, so that every ``init`` (``fo.state_shardings``'
+      abstract one among them) gives the same.
+    mesh: the mesh the optimizer is built for, if known (its axes' sizes).
+    rank: the chain's rank ``r`` (``None``: full), for the model of what each matrix
+      sends where its shards are (:func:`_moving_sizes`).
+    summed: that model's count of ``r x n`` coefficients sent where ``U^T G`` is summed
+      over a split side (2 for GaLore; 3 where a compensation gathers ``sigma`` again).
+
+  ``init`` decides which sizes move (:func:`_moving_sizes`) and the state says it (the
+  keys of ``owned``), so that every update follows the layout its state has.
+
+  The update follows the state it is given (its ``load`` says ``P``): on a mesh of ``P``
+  devices (the owner layout active, ``fisher_optax.owner_layout``) the gradients travel
+  to their owners and back; elsewhere (one device, another mesh) each group's real
+  matrices are updated from their slots, laid out by XLA, with the same results.
+  """
+  stacked = optax.with_extra_args_support(build(None))
+  per_leaf = optax.with_extra_args_support(build(dims))
+
+  sizes = None if mesh is None or not getattr(mesh, "shape", None) else dict(mesh.shape)
+  # the mesh whose split is guessed where no specs are given: the one built for, where
+  # it has P devices
+  known = mesh if sizes and owners._mesh_size(mesh) == devices else None
+
+  def init_fn(params):
+    leaves, treedef = jax.tree.flatten(params)
+    views = [matrices.matrix_view(jnp.shape(x), d, what="owned_stacks") for x, d in zip(
+        leaves, treedef.flatten_up_to(model_dims.resolve_dims(dims, params)))]
+    keys = owners.leaf_keys(params)
+    given = {} if param_specs is None else owners.path_specs(param_specs)
+    split = [_split_smaller(v, given.get(k), devices, sizes, known)
+             for v, k in zip(views, keys)]
+    p = _plan(params, dims, devices, split, rank, summed)
+    owned = {}
+    for k, n in zip(p.keys, p.lengths):
+      v = p.views[p.groups[k][0]]
+      m, c = sorted((v.fan_in, v.fan_out))
+      owned[k] = stacked.init({k: jnp.zeros((n, m, c), jnp.float32)})
+    return OwnedStacksState(owned=owned, local=per_leaf.init(_local(p)),
+                            load=jnp.asarray(p.load, jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra):
+    if not isinstance(state, OwnedStacksState):
+      raise ValueError(
+          "owned_stacks: the state is not an OwnedStacksState. The optimizer keeps its "
+          "state on the owners (OwnerLayout(state_on_owners=True)): initialise it with "
+          "this optimizer's init, or restore a checkpoint saved by an optimizer built "
+          "the same way.")
+    p = _plan(updates, dims, state.load.shape[0], frozenset(state.owned))
+    specs = owners.leaf_specs(updates)
+    canonical = [v.to_canonical(x).reshape((v.num_matrices, v.fan_in, v.fan_out))
+                 for x, v in zip(p.leaves, p.views)]
+    canonical = [jnp.swapaxes(x, -1, -2) if _turned(v) else x
+                 for x, v in zip(canonical, p.views)]
+    splits = [owners.view_split(v, s) for v, s in zip(p.views, specs)]
+    splits = [owners.transposed_split(sp) if _turned(v) else sp
+              for sp, v in zip(splits, p.views)]
+    moved = [[canonical[i] for i in p.groups[k]] for k in p.keys]
+    parts = [_stack_part(state.owned[k], n) for k, n in zip(p.keys, p.lengths)]
+
+    firsts = list(itertools.accumulate([0] + [v.num_matrices for v in p.views]))
+    tables = [_slot_indices(p, g, firsts) for g in range(len(p.keys))]
+
+    def body(g, stack, kept_leaves):  # one size's matrices on their owners
+      leaves, treedef, kept = parts[g]
+      mine = iter(kept_leaves)
+      st = treedef.unflatten([next(mine) if k else x for x, k in zip(leaves, kept)])
+      at = owners.running_slots()
+      ids = tables[g] if at is None else tables[g][at]
+      with rng.indexed([ids[:stack.shape[0]]]):  # each matrix keeps its draws
+        out, st = stacked.update({p.keys[g]: stack}, st, **extra)
+      new = jax.tree.leaves(st)
+      for x, old, k in zip(new, leaves, kept):
+        if not k and x is not old:
+          raise NotImplementedError(
+              "owned_stacks: the chain changes a state array that is not per matrix "
+              f"(shape {jnp.shape(old)}), which the owners cannot keep.")
+      return out[p.keys[g]], [x for x, k in zip(new, kept) if k]
+
+    outs, kept_new = owners.run_owned(
+        body, moved, [[x for x, k in zip(lv, kept) if k] for lv, _, kept in parts],
+        p.slots, p.lengths, [[splits[i] for i in p.groups[k]] for k in p.keys])
+    owned = {}
+    for k, (leaves, treedef, kept), new in zip(p.keys, parts, kept_new):
+      mine = iter(new)
+      owned[k] = treedef.unflatten([next(mine) if f else x for x, f in zip(leaves, kept)])
+    res: list = [None] * len(p.leaves)
+    for k, out in zip(p.keys, outs):
+      for i, part in zip(p.groups[k], out):
+        v = p.views[i]
+        part = jnp.swapaxes(part, -1, -2) if _turned(v) else part
+        part = v.from_canonical(part.reshape(v.batch_shape + (v.fan_in, v.fan_out)))
+        res[i] = lifting.cast_like(part, p.leaves[i].dtype)
+    local_params = None if params is None else _local(p, p.treedef.flatten_up_to(params))
+    with rng.indexed([firsts[i] + jnp.arange(v.num_matrices, dtype=jnp.uint32)
+                      for i, (v, h) in enumerate(zip(p.views, p.here)) if h]):
+      out_here, local = per_leaf.update(_local(p), state.local, local_params, **extra)
+    here = iter(jax.tree.leaves(out_here))
+    res = [next(here) if h else r for r, h in zip(res, p.here)]
+    return p.treedef.unflatten(res), OwnedStacksState(owned=owned, local=local,
+                                                      load=state.load)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

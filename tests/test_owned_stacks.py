@@ -1,0 +1,232 @@
+"""The low-rank family's state on the matrices' owners across steps
+(``fo.OwnerLayout(state_on_owners=True)``, ``fisher_optax/owned_stacks.py``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fisher_optax as fo
+from benchmarks import collectives
+from tests import registry, util
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+
+# 8 + 1 matrices of 16 x 32 and 4 of 32 x 16 (split on their 16 side: they move, the
+# 32 x 16 ones held transposed beside the others, 13 in a stack of 16 slots), one square
+# (a stack of 8 slots, one of them real), a 128 x 16 matrix split on its larger side
+# (it stays where its shards are), a vector on the fallback
+PARAMS = {"stack": (8, 16, 32), "w": (16, 32), "t": (4, 32, 16), "sq": (16, 16),
+          "tall": (128, 16), "b": (16,)}
+SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
+         "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"),
+         "tall": P(("fsdp", "tensor")), "b": P("tensor")}
+DIMS = {k: (None if len(s) < 2 else fo.MatrixDims()) for k, s in PARAMS.items()}
+LOW_RANK = ["galore", "fira", "alice", "alice0"]
+
+
+def _params():
+  return util.random_tree(PARAMS, 0, 0.1)
+
+
+def _grads(t):
+  return util.random_tree(PARAMS, 100 + 7 * t)
+
+
+def _mesh(explicit=False):
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
+
+
+def _layout(**kw):
+  return fo.OwnerLayout(state_on_owners=True, **kw)
+
+
+def _tx(name, owner, **kw):
+  """``name`` on the test tree at rank 8 (refreshes at steps 1, 3 and 5), per leaf on one
+  device with ``owner`` ``False``. At rank 8 of 16 the model of what each way sends
+  moves the 16-sided matrices (``owned_stacks._moving_sizes``); at the registry's rank 3
+  they would stay where their shards are."""
+  return getattr(fo, name)(0.01, dims=DIMS, stack_matrices=False, owner_layout=owner,
+                           **{**registry.kwargs(name, dims=None, rank=8), "interval": 2,
+                              **kw})
+
+
+def _run(tx, steps, mesh=None, params=None, state=None, start=0, donate=False):
+  return util.run_sharded(tx, _params() if params is None else params, _grads, SPECS, steps,
+                          mesh, state, start, donate)
+
+
+def _close(got, want, what, tol=1e-3):
+  util.assert_close_change(got, want, _params(), what, tol)
+
+
+def _owned_state(state):
+  return state.inner_states["structured"].inner_state[0]
+
+
+_EQUAL = [pytest.param(name, how, marks=() if (name, how) in {
+    ("galore", "given"), ("alice", "explicit")} else pytest.mark.slow)
+          for name in LOW_RANK for how in ("given", "explicit")]
+
+
+@pytest.mark.parametrize("name,how", _EQUAL)
+def test_state_on_owners_gives_the_single_device_updates(name, how):
+  """5 steps (refreshes at 1, 3, 5) on the 4 x 2 mesh, the split given on ``Auto`` axes
+  or read from ``Explicit`` ones, the state on its owners: the updates of one device with
+  the state per leaf, random draws included (Alice's and Alice-0's switching); the
+  parameters keep their shardings; the moved matrices' stacks are split over the mesh on
+  their slots; and on one device the same state gives those updates too."""
+  explicit = how == "explicit"
+  mesh = _mesh(explicit)
+  want, _ = _run(_tx(name, False), 5)
+  with jax.set_mesh(mesh):
+    tx = _tx(name, _layout(param_specs=None if explicit else SPECS, state_placed=True))
+  alone, _ = _run(tx, 5)
+  _close(alone, want, f"{name}, owned state on one device")
+  with jax.set_mesh(mesh):
+    got, state = _run(tx, 5, mesh)
+  _close(got, want, f"{name}, owned state on the mesh")
+  spec = jax.typeof(got["w"]).sharding.spec if explicit else got["w"].sharding.spec
+  assert spec == SPECS["w"]
+  owned = _owned_state(state)
+  assert isinstance(owned, fo.OwnedStacksState)
+  assert sorted(owned.owned) == ["16x16", "16x32"]  # "tall" stays where its shards are
+  stacks = [x for x in jax.tree.leaves(owned.owned) if x.ndim >= 3]
+  assert stacks and {x.shape[0] for x in stacks} == {8, 16}
+  for x in stacks:
+    assert x.sharding.spec == P(("fsdp", "tensor")), x.sharding
+
+
+@pytest.mark.parametrize("name", registry.params(["galore", "alice"], default=["alice"]))
+def test_state_on_owners_matches_the_dense_float64_reference(name):
+  """16 matrices 8 x 24 (two per device), 7 steps, refreshes at 1, 4 and 7, the state on
+  the owners: every update equals the dense float64 re-derivation of the paper's
+  tracking, switching and compensation (``tests/reference.py``) to float32 rounding."""
+  shape = (16, 8, 24)
+  grads = util.structured_grads(shape, 7, seed=1)
+  kw = registry.WITH_REFERENCE[name]
+  want = util.run_reference(name, shape, grads, **kw)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=_layout())
+  state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct(shape, jnp.float32)})
+  assert list(_owned_state(state).owned) == ["8x24"]  # the 16 matrices move
+  got = util.updates_on_mesh(tx, shape, grads, mesh, P(None, "fsdp", "tensor"))
+  err = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in zip(got, want))
+  assert err < 1e-4, err
+
+
+def _compiled_text(tx, mesh):
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in PARAMS.items()}
+  p_sh = {k: NamedSharding(mesh, v) for k, v in SPECS.items()}
+  s_sh = fo.state_shardings(tx, params, SPECS, mesh)
+  state = jax.eval_shape(tx.init, params)
+  typed = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+  with jax.set_mesh(mesh):
+    step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+    return step.lower(typed(params, p_sh), typed(state, s_sh),
+                      typed(params, p_sh)).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["galore", "alice"])
+def test_an_ordinary_step_moves_the_matrices_by_two_all_to_alls(name):
+  """On the 4 x 2 mesh (split given), an ordinary step of the state on the owners sends
+  the moved matrices in one all-to-all and their updates back in another, and a few
+  hundred bytes besides (Alice's compensation of the matrix that stays sums its
+  statistics): less than the state laid out as the parameters sends."""
+  mesh = _mesh()
+  given = dict(param_specs=SPECS, state_placed=True)
+  with jax.set_mesh(mesh):
+    owned = _tx(name, _layout(**given))
+    per_leaf = _tx(name, fo.OwnerLayout(**given))
+  sent = {}
+  for what, tx in (("owned", owned), ("per leaf", per_leaf)):
+    traffic, _ = collectives.traffic(_compiled_text(tx, mesh), 8, refresh=False)
+    sent[what] = traffic
+  kinds = sent["owned"].sent
+  assert sent["owned"].total - kinds["all-to-all"] <= 512, kinds  # Alice: 455 bytes
+  # each row of the exchange holds the most one owner owns (two 16 x 32 matrices), a
+  # device's eighth of them from each of the 8 devices
+  assert kinds["all-to-all"] <= 2 * 2 * 16 * 32 * 4 * 7 / 8 * 1.01, kinds
+  assert sent["owned"].total < sent["per leaf"].total, sent
+
+
+def test_a_prng_key_stays_whole_on_a_mesh_of_two_devices():
+  """Alice's PRNG key (two words) is no stack of slots: on a mesh of 2 devices, which
+  divide its length, ``fo.state_shardings`` keeps it whole, and 5 steps give the
+  single-device updates."""
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  specs = {"w": P("fsdp"), "t": P(None, None, "fsdp")}
+  shapes = {"w": (16, 32), "t": (4, 32, 16)}
+  params = lambda: util.random_tree(shapes, 0, 0.1)  # noqa: E731
+  grads = lambda t: util.random_tree(shapes, 100 + 7 * t)  # noqa: E731
+  kw = {**registry.kwargs("alice", dims=None, rank=8), "interval": 2}
+  dims = {k: fo.MatrixDims() for k in shapes}
+  want, _ = util.run_sharded(fo.alice(0.01, dims=dims, **kw, owner_layout=False),
+                             params(), grads, specs, 5)
+  with jax.set_mesh(mesh):
+    tx = fo.alice(0.01, dims=dims, **kw, owner_layout=_layout(param_specs=specs))
+    got, state = util.run_sharded(tx, params(), grads, specs, 5, mesh)
+  util.assert_close_change(got, want, params(), "alice on 2 devices")
+  keys = [x for x in jax.tree.leaves(_owned_state(state).owned) if x.dtype == jnp.uint32]
+  assert keys and all(x.sharding.spec == P() for x in keys), [x.sharding for x in keys]
+
+
+def test_the_owned_state_checkpoints_and_resumes_on_one_device_and_a_smaller_mesh(tmp_path):
+  """GaLore stopped after 2 steps on the 4 x 2 mesh, saved with orbax, restored onto a
+  2 x 2 mesh and onto one device: both continuations (the refreshes at 3 and 5 among
+  them) give the uninterrupted single-device run."""
+  mesh = _mesh()
+  want, _ = _run(_tx("galore", False), 5)
+  with jax.set_mesh(mesh):
+    tx = _tx("galore", _layout(param_specs=SPECS, state_placed=True))
+  got, got1 = util.resume_elsewhere(tmp_path / "ck", tx, _run, SPECS, mesh, 2, 3,
+                                    one_device_mesh=True)
+  _close(got, want, "4x2 -> 2x2")
+  _close(got1, want, "4x2 -> 1")
+
+
+@pytest.mark.slow
+def test_zero_and_nan_gradients_stay_in_their_leaf_with_the_state_on_owners():
+  """A zero gradient leaves its parameter unchanged and a NaN gradient makes only its
+  own leaf NaN, on the mesh as on one device (the padding slots hold zeros)."""
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    tx = _tx("alice", _layout(param_specs=SPECS, state_placed=True))
+  util.assert_zero_and_nan_stay_in_their_leaf(tx, PARAMS, _params, _grads, SPECS, mesh)
+
+
+def test_describe_counts_the_owned_stacks_with_their_padding():
+  """``fo.describe`` gives each moved leaf its share of the stack of its size, padding
+  included: the single 16 x 16 matrix carries its stack of 8 slots."""
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    tx = _tx("galore", _layout(param_specs=SPECS))
+  rows = {r.path: r for r in fo.describe(tx, _params()).rows}
+  plain = {r.path: r for r in fo.describe(_tx("galore", False), _params()).rows}
+  assert rows["sq"].state_numbers == 8 * plain["sq"].state_numbers + 2  # + two counters
+  assert rows["tall"].state_numbers == plain["tall"].state_numbers  # where its shards are
+  assert rows["b"].state_numbers == plain["b"].state_numbers
+
+
+def test_where_it_cannot_be_done_it_says_so():
+  """Asked of an optimizer outside the low-rank family, or with no mesh to pad for, the
+  setting raises an error that names the fix; a state of the other layout is refused
+  by the update (the named optimizers' check of the state's tree), and by
+  ``fo.convert_state_layout``."""
+  with pytest.raises(ValueError, match="low-rank family"):
+    fo.racs(0.01, owner_layout=_layout())
+  with pytest.raises(ValueError, match="jax.set_mesh"):
+    fo.galore(0.01, rank=2, owner_layout=_layout())
+  with jax.set_mesh(_mesh()):
+    tx = _tx("galore", _layout())
+  per_leaf = _tx("galore", False)
+  params = _params()
+  with pytest.raises(ValueError, match="does not fit these updates"):
+    tx.update(_grads(0), per_leaf.init(params), params)
+  with pytest.raises(ValueError, match="state_on_owners"):
+    fo.convert_state_layout(per_leaf.init(params), tx, params)
