@@ -43,15 +43,17 @@ from fisher_optax.parallel import owners
 class OwnedStacksState(NamedTuple):
   """The state of :func:`owned_stacks`.
 
-  ``owned``: one entry per matrix size ``"m x n"`` (``m <= n``), the inner chain's state
+  ``owned``: one entry per matrix size ``"m x n"`` (``m <= n``), the blocks' state
   over a stack of ``c P`` slots (``parallel/owners.py``, ``placement``), split over the
-  mesh on its leading axis (role ``owners``). ``local``: the inner chain's state of the
+  mesh on its leading axis (role ``owners``). ``local``: the blocks' state of the
   leaves that stay where their shards are (the others ``None``), laid out as the
-  parameters. ``load``: the elements each of the ``P`` devices owns (``int32 (P,)``);
+  parameters. ``tail``: the state of the transformations after the blocks (decay, the
+  step size). ``load``: the elements each of the ``P`` devices owns (``int32 (P,)``);
   its length is the device count the stacks are padded for, which the update reads, so
   a state restored onto another mesh continues in its own layout."""
   owned: Any
   local: Any
+  tail: Any
   load: jax.Array
   SHARDING = {"owned": "owners", "load": "replicated"}  # roles for parallel/sharding.py
 
@@ -230,18 +232,20 @@ def _slot_indices(p: _Plan, g: int, firsts: list) -> jax.Array:
   return jnp.asarray(table, jnp.uint32)
 
 
-def owned_stacks(build: Callable[[matrices.DimsSpec], optax.GradientTransformation], *,
+def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = (),
                  devices: int, dims: matrices.DimsSpec = None, param_specs: Any = None,
-                 mesh: Any = None, rank: Optional[int] = None, summed: float = 3.0
-                 ) -> optax.GradientTransformationExtraArgs:
-  """``build(dims)``'s chain with its state on the owners of ``devices`` devices (module
-  docstring).
+                 mesh: Any = None, rank: Optional[int] = None, summed: float = 3.0,
+                 asked: bool = True) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(*blocks(dims), *tail)`` with the blocks' state on the owners of
+  ``devices`` devices (module docstring).
 
   Args:
-    build: the chain for matrix axes ``dims``: called with ``None`` for the owned stacks
-      ``(c P, fan_in, fan_out)`` and with the leaves' own ``dims`` for the leaves that
-      stay where their shards are. A chain of matrix blocks that treats matrices one by
-      one and needs no parameters (decay and step size come after it).
+    blocks: the blocks for matrix axes ``dims``: called with ``None`` for the owned
+      stacks ``(c P, m, n)`` and with the leaves' own ``dims`` for the leaves that stay
+      where their shards are. Matrix blocks that treat matrices one by one, work on
+      their smaller side and need no parameters.
+    tail: transformations after the blocks, run where the updates' shards are (decay,
+      which reads the parameters, and the step size).
     devices: ``P``, the device count the stacks are padded for.
     dims: the leaves' matrix axes.
     param_specs: the parameters' ``PartitionSpec`` s where known when the optimizer is
@@ -254,17 +258,25 @@ def owned_stacks(build: Callable[[matrices.DimsSpec], optax.GradientTransformati
       sends where its shards are (:func:`_moving_sizes`).
     summed: that model's count of ``r x n`` coefficients sent where ``U^T G`` is summed
       over a split side (2 for GaLore; 3 where a compensation gathers ``sigma`` again).
+    asked: kept on the owners because asked for (``OwnerLayout(state_on_owners=True)``),
+      also for parameters ``init`` sees replicated.
 
   ``init`` decides which sizes move (:func:`_moving_sizes`) and the state says it (the
-  keys of ``owned``), so that every update follows the layout its state has.
+  keys of ``owned``), so that every update follows the layout its state has. Where
+  none moves, or (unless ``asked``) ``init`` sees the parameters replicated over
+  ``Explicit`` mesh axes (data parallelism), the state is the whole chain's own, laid out
+  as the parameters (the state of the optimizer built without a mesh, so that one
+  checkpoint fits both), and so is the update.
 
   The update follows the state it is given (its ``load`` says ``P``): on a mesh of ``P``
   devices (the owner layout active, ``fisher_optax.owner_layout``) the gradients travel
   to their owners and back; elsewhere (one device, another mesh) each group's real
   matrices are updated from their slots, laid out by XLA, with the same results.
   """
-  stacked = optax.with_extra_args_support(build(None))
-  per_leaf = optax.with_extra_args_support(build(dims))
+  stacked = optax.with_extra_args_support(optax.chain(*blocks(None)))
+  per_leaf = optax.with_extra_args_support(optax.chain(*blocks(dims)))
+  after = optax.with_extra_args_support(optax.chain(*tail))
+  whole = optax.with_extra_args_support(optax.chain(*blocks(dims), *tail))
 
   sizes = None if mesh is None or not getattr(mesh, "shape", None) else dict(mesh.shape)
   # the mesh whose split is guessed where no specs are given: the one built for, where
@@ -280,21 +292,20 @@ def owned_stacks(build: Callable[[matrices.DimsSpec], optax.GradientTransformati
     split = [_split_smaller(v, given.get(k), devices, sizes, known)
              for v, k in zip(views, keys)]
     p = _plan(params, dims, devices, split, rank, summed)
+    if not p.keys or (not asked and owners.visibly_replicated(params)):
+      # nothing moves (or data parallelism on Explicit axes): the state as the parameters
+      return whole.init(params)
     owned = {}
     for k, n in zip(p.keys, p.lengths):
       v = p.views[p.groups[k][0]]
       m, c = sorted((v.fan_in, v.fan_out))
       owned[k] = stacked.init({k: jnp.zeros((n, m, c), jnp.float32)})
     return OwnedStacksState(owned=owned, local=per_leaf.init(_local(p)),
-                            load=jnp.asarray(p.load, jnp.int32))
+                            tail=after.init(params), load=jnp.asarray(p.load, jnp.int32))
 
   def update_fn(updates, state, params=None, **extra):
-    if not isinstance(state, OwnedStacksState):
-      raise ValueError(
-          "owned_stacks: the state is not an OwnedStacksState. The optimizer keeps its "
-          "state on the owners (OwnerLayout(state_on_owners=True)): initialise it with "
-          "this optimizer's init, or restore a checkpoint saved by an optimizer built "
-          "the same way.")
+    if not isinstance(state, OwnedStacksState):  # laid out as the parameters (init)
+      return whole.update(updates, state, params, **extra)
     p = _plan(updates, dims, state.load.shape[0], frozenset(state.owned))
     specs = owners.leaf_specs(updates)
     canonical = [v.to_canonical(x).reshape((v.num_matrices, v.fan_in, v.fan_out))
@@ -346,7 +357,7 @@ def owned_stacks(build: Callable[[matrices.DimsSpec], optax.GradientTransformati
       out_here, local = per_leaf.update(_local(p), state.local, local_params, **extra)
     here = iter(jax.tree.leaves(out_here))
     res = [next(here) if h else r for r, h in zip(res, p.here)]
-    return p.treedef.unflatten(res), OwnedStacksState(owned=owned, local=local,
-                                                      load=state.load)
+    out, tail_state = after.update(p.treedef.unflatten(res), state.tail, params, **extra)
+    return out, OwnedStacksState(owned=owned, local=local, tail=tail_state, load=state.load)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

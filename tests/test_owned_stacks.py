@@ -63,7 +63,7 @@ def _close(got, want, what, tol=1e-3):
 
 
 def _owned_state(state):
-  return state.inner_states["structured"].inner_state[0]
+  return state.inner_states["structured"].inner_state
 
 
 _EQUAL = [pytest.param(name, how, marks=() if (name, how) in {
@@ -141,7 +141,7 @@ def test_an_ordinary_step_moves_the_matrices_by_two_all_to_alls(name):
   given = dict(param_specs=SPECS, state_placed=True)
   with jax.set_mesh(mesh):
     owned = _tx(name, _layout(**given))
-    per_leaf = _tx(name, fo.OwnerLayout(**given))
+    per_leaf = _tx(name, fo.OwnerLayout(**given, state_on_owners=False))
   sent = {}
   for what, tx in (("owned", owned), ("per leaf", per_leaf)):
     traffic, _ = collectives.traffic(_compiled_text(tx, mesh), 8, refresh=False)
@@ -211,6 +211,28 @@ def test_describe_counts_the_owned_stacks_with_their_padding():
   assert rows["sq"].state_numbers == 8 * plain["sq"].state_numbers + 2  # + two counters
   assert rows["tall"].state_numbers == plain["tall"].state_numbers  # where its shards are
   assert rows["b"].state_numbers == plain["b"].state_numbers
+
+
+def test_built_under_a_mesh_the_state_is_on_owners_where_that_sends_less():
+  """By default (``state_on_owners="auto"``): built under the 4 x 2 mesh, GaLore keeps
+  its state on the owners at rank 8, and as the parameters at rank 3, where the model
+  says the 16-sided matrices send less where their shards are; built without a mesh,
+  and for parameters replicated over ``Explicit`` axes, as the parameters too."""
+  params = _params()
+  per_leaf = jax.tree.structure(_tx("galore", False).init(params))
+  with jax.set_mesh(_mesh()):
+    tx = _tx("galore", "auto")
+    low = _tx("galore", "auto", rank=3)
+  state = jax.eval_shape(tx.init, params)
+  assert sorted(_owned_state(state).owned) == ["16x16", "16x32"]
+  assert jax.tree.structure(jax.eval_shape(low.init, params)) == \
+      jax.tree.structure(_tx("galore", False, rank=3).init(params))
+  assert jax.tree.structure(_tx("galore", "auto").init(params)) == per_leaf
+  emesh = _mesh(explicit=True)
+  replicated = jax.device_put(params, NamedSharding(emesh, P()))
+  with jax.set_mesh(emesh):
+    tx = _tx("galore", "auto")
+    assert jax.tree.structure(tx.init(replicated)) == per_leaf
 
 
 def test_where_it_cannot_be_done_it_says_so():

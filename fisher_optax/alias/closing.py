@@ -184,13 +184,12 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
   devices = _owned_devices(owner, owned, name)
   if devices:  # the chain's state on the owners (fisher_optax.owned_stacks), no stacks
     stack = False
-    structured = optax.chain(
-        owned_stacks.owned_stacks(
-            lambda d: optax.chain(*blocks(d)), devices=devices, dims=dims,
-            param_specs=owners.as_layout(owner).param_specs,
-            mesh=owners.as_layout(owner).mesh or jax.sharding.get_abstract_mesh(),
-            rank=rank, summed=2.0 if name == "galore" else 3.0),
-        *decay, optax.scale_by_learning_rate(learning_rate))
+    layout = owners.as_layout(owner)
+    structured = owned_stacks.owned_stacks(
+        blocks, tail=[*decay, optax.scale_by_learning_rate(learning_rate)],
+        devices=devices, dims=dims, param_specs=layout.param_specs,
+        mesh=layout.mesh or jax.sharding.get_abstract_mesh(), rank=rank,
+        summed=2.0 if name == "galore" else 3.0, asked=layout.state_on_owners is True)
   else:
     structured = optax.chain(*blocks(None if stack else dims), *decay,
                              optax.scale_by_learning_rate(learning_rate))
@@ -216,15 +215,19 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
 
 
 def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
-  """The device count the chain's state is kept on the owners for
-  (``OwnerLayout(state_on_owners=True)``): the size of the layout's mesh, else of the
-  context mesh when the optimizer is built; ``None`` where it is not asked for. Asked
-  for where the optimizer cannot keep it (``owned``: the low-rank family), or with no
-  mesh of several devices to pad for, it raises."""
+  """The device count the chain's state may be kept on the owners for
+  (``OwnerLayout.state_on_owners``, by default ``"auto"``): the size of the layout's
+  mesh, else of the context mesh when the optimizer is built; ``None`` where it is off,
+  or for an optimizer that cannot keep it (``owned``: the low-rank family), or with no
+  mesh of several devices to pad for. Asked for (``True``) where it cannot be, it
+  raises."""
   layout = owners.as_layout(owner)
-  if layout is None or not layout.state_on_owners:
+  if layout is None or layout.state_on_owners is False:
     return None
+  asked = layout.state_on_owners is True
   if not owned:
+    if not asked:
+      return None
     raise ValueError(
         f"fo.{name}: OwnerLayout(state_on_owners=True) keeps the low-rank family's state "
         "on the owners (galore, fira, alice, alice0). The rotation family (soap, "
@@ -235,6 +238,8 @@ def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
   if devices == owners.AUTO:
     devices = owners.build_devices()
   if not devices:
+    if not asked:
+      return None
     raise ValueError(
         f"fo.{name}: OwnerLayout(state_on_owners=True) pads the state for the mesh's "
         "device count, and there is no mesh of several devices: build the optimizer "

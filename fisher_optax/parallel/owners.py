@@ -112,7 +112,13 @@ class OwnerLayout:
       updates back by one ``all_to_all`` each, and the tracking, the optimizer on the
       coefficients and the compensation run on whole local matrices. Each device then
       sends about ``2/P`` of those matrices' bytes per update instead of summing
-      ``U^T G`` over a split side or gathering the basis ``U`` at every step.
+      ``U^T G`` over a split side or gathering the basis ``U`` at every step. ``"auto"``
+      (default): where the optimizer is built with a mesh of several devices (the
+      context mesh, or ``mesh``) and ``init`` sees a model of what each way sends move
+      some of the matrices (``fisher_optax.owned_stacks``); elsewhere, and for
+      parameters visibly replicated over ``Explicit`` axes at ``init``, the state is
+      laid out as the parameters. ``True``: asked for (an error without a mesh);
+      ``False``: off.
   """
   mesh: Any = None
   transport_dtype: Any = None
@@ -120,7 +126,7 @@ class OwnerLayout:
   param_specs: Any = dataclasses.field(default=None, hash=False, compare=False)
   guessed: bool = True
   state_placed: bool = False
-  state_on_owners: bool = False
+  state_on_owners: Any = AUTO
 
 
 class _Active(NamedTuple):
