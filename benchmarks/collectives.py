@@ -3,7 +3,7 @@ compiled program.
 
     python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
-                                     [--owner-layout default|on|off|mesh|state]
+                                     [--owner-layout default|on|off|mesh|state|leaf]
                                      [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
@@ -39,8 +39,9 @@ built and the update traced under the mesh as the context mesh (``jax.set_mesh``
 ``--owner-layout`` sets their
 ``owner_layout`` (default: each optimizer's own default; ``off``: every matrix's work
 where its shards are, as before the owner layout; ``state``: GaLore's, Fira's, Alice's
-and Alice-0's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``, the others
-at their default). ``--time N`` also runs each compiled
+and Alice-0's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``; ``leaf``:
+theirs laid out as the parameters under the owner layout, ``state_on_owners=False``;
+the others at their default). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
@@ -297,7 +298,8 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
   return Mesh(devs, ("fsdp",), axis_types=(kind,))
 
 
-OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state"}
+OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state",
+         "leaf": "leaf"}
 # the optimizers that keep their state on the owners with OwnerLayout(state_on_owners=True)
 STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0")
 
@@ -333,8 +335,10 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
   if step_time._ours(name):
     kw = dict(stack_matrices=False)
     setting = OWNER[owner]
-    if setting == "state":  # the low-rank family's state on the owners; the others' default
-      setting = fo.OwnerLayout(state_on_owners=True) if name in STATE_ON_OWNERS else None
+    if setting in ("state", "leaf"):  # the low-rank family's state on the owners, or
+      # laid out as the parameters under the owner layout; the others' default
+      setting = (fo.OwnerLayout(state_on_owners=setting == "state")
+                 if name in STATE_ON_OWNERS else None)
     if setting is None and param_specs is not None:
       setting = _default_owner_layout(name)
     if setting == "mesh":
@@ -539,7 +543,8 @@ def main(argv=None):
                   help="the library's owner_layout: each optimizer's default, on, off, "
                   "the mesh itself (the rotation family's state in the owner layout), or "
                   "state (GaLore's, Fira's, Alice's and Alice-0's state on the owners: "
-                  "OwnerLayout(state_on_owners=True))")
+                  "OwnerLayout(state_on_owners=True)), or leaf (theirs laid out as the "
+                  "parameters: state_on_owners=False)")
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")

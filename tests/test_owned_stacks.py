@@ -214,24 +214,33 @@ def test_describe_counts_the_owned_stacks_with_their_padding():
 
 
 def test_built_under_a_mesh_the_state_is_on_owners_where_that_sends_less():
-  """By default (``state_on_owners="auto"``): built under the 4 x 2 mesh, GaLore keeps
-  its state on the owners at rank 8, and as the parameters at rank 3, where the model
-  says the 16-sided matrices send less where their shards are; built without a mesh,
-  and for parameters replicated over ``Explicit`` axes, as the parameters too."""
+  """By default (``state_on_owners="auto"``): built under the 4 x 2 mesh with the split
+  given, GaLore keeps its state on the owners at rank 8, and as the parameters at rank
+  3, where the model says the 16-sided matrices send less where their shards are; as
+  the parameters too where the split would be guessed on the two-axis mesh, where it is
+  built without a mesh, and for parameters replicated over ``Explicit`` axes (a mesh of
+  one axis, the split of sharded ones given). Where the state is as the parameters, it is the per-leaf state of
+  ``owner_layout=False`` (one checkpoint fits both)."""
   params = _params()
   per_leaf = jax.tree.structure(_tx("galore", False).init(params))
   with jax.set_mesh(_mesh()):
-    tx = _tx("galore", "auto")
-    low = _tx("galore", "auto", rank=3)
+    tx = _tx("galore", fo.OwnerLayout(param_specs=SPECS))
+    low = _tx("galore", fo.OwnerLayout(param_specs=SPECS), rank=3)
+    guessed = _tx("galore", "auto")
   state = jax.eval_shape(tx.init, params)
   assert sorted(_owned_state(state).owned) == ["16x16", "16x32"]
   assert jax.tree.structure(jax.eval_shape(low.init, params)) == \
       jax.tree.structure(_tx("galore", False, rank=3).init(params))
+  assert jax.tree.structure(jax.eval_shape(guessed.init, params)) == per_leaf
   assert jax.tree.structure(_tx("galore", "auto").init(params)) == per_leaf
-  emesh = _mesh(explicit=True)
-  replicated = jax.device_put(params, NamedSharding(emesh, P()))
-  with jax.set_mesh(emesh):
-    tx = _tx("galore", "auto")
+  fsdp = {"stack": P(None, "fsdp"), "w": P("fsdp"), "t": P(None, None, "fsdp"),
+          "sq": P("fsdp"), "tall": P("fsdp"), "b": P()}
+  one_axis = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(one_axis):
+    tx = _tx("galore", fo.OwnerLayout(param_specs=fsdp))
+    sharded = jax.device_put(params, {k: NamedSharding(one_axis, v) for k, v in fsdp.items()})
+    assert isinstance(_owned_state(tx.init(sharded)), fo.OwnedStacksState)
+    replicated = jax.device_put(params, NamedSharding(one_axis, P()))
     assert jax.tree.structure(tx.init(replicated)) == per_leaf
 
 

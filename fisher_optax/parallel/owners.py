@@ -114,8 +114,9 @@ class OwnerLayout:
       sends about ``2/P`` of those matrices' bytes per update instead of summing
       ``U^T G`` over a split side or gathering the basis ``U`` at every step. ``"auto"``
       (default): where the optimizer is built with a mesh of several devices (the
-      context mesh, or ``mesh``) and ``init`` sees a model of what each way sends move
-      some of the matrices (``fisher_optax.owned_stacks``); elsewhere, and for
+      context mesh, or ``mesh``), the split given in ``param_specs`` or the mesh of one
+      axis (FSDP's split guessed), and ``init`` sees a model of what each way sends
+      move some of the matrices (``fisher_optax.owned_stacks``); elsewhere, and for
       parameters visibly replicated over ``Explicit`` axes at ``init``, the state is
       laid out as the parameters. ``True``: asked for (an error without a mesh);
       ``False``: off.
