@@ -198,8 +198,8 @@ def test_collectives_script_reads_the_split_from_placed_arrays(tmp_path):
 @pytest.mark.example
 def test_collectives_script_keeps_the_low_rank_state_on_the_owners(tmp_path):
   """The script with ``--owner-layout state`` (GaLore at ``tiny``, FSDP on 8 devices, the
-  split given): GaLore's ordinary step is its two exchanges, and sends less than with
-  its state laid out as the parameters."""
+  split given): GaLore's ordinary step is its two exchanges, as by default, and sends
+  less than with its state laid out as the parameters (``--owner-layout leaf``)."""
   import json
   import pathlib
   import subprocess
@@ -208,7 +208,7 @@ def test_collectives_script_keeps_the_low_rank_state_on_the_owners(tmp_path):
   from tests.util import HANG_S
   root = pathlib.Path(__file__).resolve().parents[1]
   rows = {}
-  for owner in ("state", "default"):
+  for owner in ("state", "default", "leaf"):
     out = tmp_path / f"{owner}.json"
     subprocess.run([sys.executable, str(root / "benchmarks" / "collectives.py"), "--preset",
                     "tiny", "--devices", "8", "--axis-types", "given", "--no-train-step",
@@ -217,7 +217,8 @@ def test_collectives_script_keeps_the_low_rank_state_on_the_owners(tmp_path):
     rows[owner] = json.loads(out.read_text())[0]
   assert rows["state"]["owner_layout"] == "state"
   assert rows["state"]["ordinary_collectives"] == 2, rows["state"]
-  assert rows["state"]["ordinary_ratio"] < rows["default"]["ordinary_ratio"], rows
+  assert rows["default"]["ordinary_ratio"] == rows["state"]["ordinary_ratio"], rows
+  assert rows["state"]["ordinary_ratio"] < rows["leaf"]["ordinary_ratio"], rows
 
 
 def _largest_collective(text):
