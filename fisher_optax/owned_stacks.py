@@ -41,7 +41,8 @@ from fisher_optax.parallel import owners
 
 
 class OwnedStacksState(NamedTuple):
-  """The state of :func:`owned_stacks`.
+  """The state of ``fisher_optax.owned_stacks`` (the low-rank family's state on the
+  owners).
 
   ``owned``: one entry per matrix size ``"m x n"`` (``m <= n``), the blocks' state
   over a stack of ``c P`` slots (``parallel/owners.py``, ``placement``), split over the
