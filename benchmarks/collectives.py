@@ -38,8 +38,8 @@ per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the opt
 built and the update traced under the mesh as the context mesh (``jax.set_mesh``);
 ``--owner-layout`` sets their
 ``owner_layout`` (default: each optimizer's own default; ``off``: every matrix's work
-where its shards are, as before the owner layout; ``state``: GaLore's, Fira's, Alice's
-and Alice-0's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``; ``leaf``:
+where its shards are, as before the owner layout; ``state``: GaLore's, Fira's, Alice's,
+Alice-0's and Alice-SOAP's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``; ``leaf``:
 theirs laid out as the parameters under the owner layout, ``state_on_owners=False``;
 the others at their default). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
@@ -301,7 +301,7 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
 OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state",
          "leaf": "leaf"}
 # the optimizers that keep their state on the owners with OwnerLayout(state_on_owners=True)
-STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0")
+STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0", "alice_soap")
 
 
 def _keywords(name: str) -> dict:
@@ -542,7 +542,7 @@ def main(argv=None):
   ap.add_argument("--owner-layout", default="default", choices=tuple(OWNER),
                   help="the library's owner_layout: each optimizer's default, on, off, "
                   "the mesh itself (the rotation family's state in the owner layout), or "
-                  "state (GaLore's, Fira's, Alice's and Alice-0's state on the owners: "
+                  "state (the low-rank family's state on the owners: "
                   "OwnerLayout(state_on_owners=True)), or leaf (theirs laid out as the "
                   "parameters: state_on_owners=False)")
   ap.add_argument("--time", type=int, default=0, metavar="N",

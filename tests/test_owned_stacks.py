@@ -23,7 +23,7 @@ SPECS = {"stack": P(None, "fsdp", "tensor"), "w": P("fsdp", "tensor"),
          "t": P(None, "tensor", "fsdp"), "sq": P("tensor", "fsdp"),
          "tall": P(("fsdp", "tensor")), "b": P("tensor")}
 DIMS = {k: (None if len(s) < 2 else fo.MatrixDims()) for k, s in PARAMS.items()}
-LOW_RANK = ["galore", "fira", "alice", "alice0"]
+LOW_RANK = ["galore", "fira", "alice", "alice0", "alice_soap"]
 
 
 def _params():
@@ -99,7 +99,8 @@ def test_state_on_owners_gives_the_single_device_updates(name, how):
     assert x.sharding.spec == P(("fsdp", "tensor")), x.sharding
 
 
-@pytest.mark.parametrize("name", registry.params(["galore", "alice"], default=["alice"]))
+@pytest.mark.parametrize("name", registry.params(["galore", "alice", "alice0", "alice_soap"],
+                                                 default=["alice"]))
 def test_state_on_owners_matches_the_dense_float64_reference(name):
   """16 matrices 8 x 24 (two per device), 7 steps, refreshes at 1, 4 and 7, the state on
   the owners: every update equals the dense float64 re-derivation of the paper's

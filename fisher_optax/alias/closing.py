@@ -230,8 +230,8 @@ def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
       return None
     raise ValueError(
         f"fo.{name}: OwnerLayout(state_on_owners=True) keeps the low-rank family's state "
-        "on the owners (galore, fira, alice, alice0). The rotation family (soap, "
-        "shampoo, eigen_adam) keeps its state there when built under a mesh "
+        "on the owners (galore, fira, alice, alice0, alice_soap). The rotation family "
+        "(soap, shampoo, eigen_adam) keeps its state there when built under a mesh "
         "(owner_layout='auto' or a mesh); the others keep theirs as the parameters: "
         "leave state_on_owners out.")
   devices = owners.state_devices(layout)

@@ -250,7 +250,8 @@ def alice_soap(learning_rate: optax.ScalarOrSchedule, *, rank: int = 256,
 
   return finish(blocks, learning_rate, mask, dims, fallback, weight_decay,
                  fallback_lr=fallback_learning_rate,
-                 stack=stack_matrices, owner=owner_layout, name="alice_soap", rank=rank)
+                 stack=stack_matrices, owner=owner_layout, owned=True, name="alice_soap",
+                 rank=rank)
 
 
 @named('dion(1e-2, rank=0.5)', static_args=('rank',))

@@ -105,14 +105,15 @@ class OwnerLayout:
       is read from its types and this is not needed; boxes named by mesh axes, given
       to ``init`` under the mesh, say it themselves (the state's own boxes carry
       ``fo.state_shardings``' names, by which the Flax recipes lay it out).
-    state_on_owners: the low-rank family's state (GaLore, Fira, Alice, Alice-0) kept
-      on the matrices' owners across steps (``fisher_optax.owned_stacks``): stacks of
-      same-size matrices padded for the device count of ``mesh``, else of the context
-      mesh when the optimizer is built; the gradients travel to their owners and the
-      updates back by one ``all_to_all`` each, and the tracking, the optimizer on the
-      coefficients and the compensation run on whole local matrices. Each device then
-      sends about ``2/P`` of those matrices' bytes per update instead of summing
-      ``U^T G`` over a split side or gathering the basis ``U`` at every step. ``"auto"``
+    state_on_owners: the low-rank family's state (GaLore, Fira, Alice, Alice-0,
+      Alice-SOAP) kept on the matrices' owners across steps
+      (``fisher_optax.owned_stacks``): stacks of same-size matrices padded for the
+      device count of ``mesh``, else of the context mesh when the optimizer is built;
+      the gradients travel to their owners and the updates back by one ``all_to_all``
+      each, and the tracking, the optimizer on the coefficients and the compensation
+      run on whole local matrices. Each device then sends about ``2/P`` of those
+      matrices' bytes per update instead of summing ``U^T G`` over a split side or
+      gathering the basis ``U`` at every step. ``"auto"``
       (default): where the optimizer is built with a mesh of several devices (the
       context mesh, or ``mesh``), the split given in ``param_specs`` or the mesh of one
       axis (FSDP's split guessed), and ``init`` sees a model of what each way sends
