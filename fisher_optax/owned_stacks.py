@@ -316,7 +316,10 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     splits = [owners.view_split(v, s) for v, s in zip(p.views, specs)]
     splits = [owners.transposed_split(sp) if _turned(v) else sp
               for sp, v in zip(splits, p.views)]
+    # one dtype per stack, the members' promoted one (bfloat16 and float32 matrices of a
+    # size: float32), which its results come back in before each leaf's own
     moved = [[canonical[i] for i in p.groups[k]] for k in p.keys]
+    moved = [[x.astype(jnp.result_type(*xs)) for x in xs] for xs in moved]
     parts = [_stack_part(state.owned[k], n) for k, n in zip(p.keys, p.lengths)]
 
     firsts = list(itertools.accumulate([0] + [v.num_matrices for v in p.views]))

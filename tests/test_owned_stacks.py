@@ -262,3 +262,49 @@ def test_where_it_cannot_be_done_it_says_so():
     tx.update(_grads(0), per_leaf.init(params), params)
   with pytest.raises(ValueError, match="state_on_owners"):
     fo.convert_state_layout(per_leaf.init(params), tx, params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["galore", "alice"])
+def test_mixed_dtypes_a_batched_leaf_and_an_empty_leaf_on_the_owners(name):
+  """bfloat16 and float32 matrices of one size in one stack, a leaf of 3 matrices and a
+  leaf of none, on 8 devices of one axis (split given): over 5 steps (refreshes at 1, 3,
+  5) every update is in its leaf's dtype and equals one device's with the per-leaf
+  state, to two bfloat16 roundings of its largest entry for the bfloat16 leaves (the
+  float32 mathematics summed in another order, then rounded)."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  shapes = {"a": (64, 64), "b": (64, 64), "c": (3, 64, 64), "z": (0, 64), "n": (64,)}
+  dtypes = {"a": jnp.bfloat16, "b": jnp.float32, "c": jnp.bfloat16, "z": jnp.float32,
+            "n": jnp.float32}
+  specs = {"a": P("fsdp"), "b": P("fsdp"), "c": P(None, "fsdp"), "z": P(None, "fsdp"),
+           "n": P()}
+  dims = {k: (None if len(s) < 2 else fo.MatrixDims()) for k, s in shapes.items()}
+
+  def tree(seed, scale=1.0):
+    return {k: x.astype(dtypes[k]) for k, x in util.random_tree(shapes, seed, scale).items()}
+
+  params, grads = tree(0, 0.1), [tree(100 + t) for t in range(5)]
+  kw = dict(rank=32, interval=2, dims=dims)
+  ref = getattr(fo, name)(0.01, **kw, owner_layout=False)
+  state, want = ref.init(params), []
+  for g in grads:
+    u, state = ref.update(g, state, params)
+    want.append(u)
+  with jax.set_mesh(mesh):
+    tx = getattr(fo, name)(0.01, **kw, owner_layout=_layout(param_specs=specs))
+  sh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+  s_sh = fo.state_shardings(tx, params, specs, mesh)
+  placed = jax.device_put(params, sh)
+  state = jax.jit(tx.init, out_shardings=s_sh)(placed)
+  assert list(_owned_state(state).owned) == ["64x64"]
+  with jax.set_mesh(mesh):
+    step = jax.jit(tx.update, in_shardings=(sh, s_sh, sh), out_shardings=(sh, s_sh))
+    for g, w in zip(grads, want):
+      u, state = step(jax.device_put(g, sh), state, placed)
+      for k in shapes:
+        assert u[k].dtype == dtypes[k], k
+        if not u[k].size:
+          continue
+        a, b = (np.asarray(x, np.float64) for x in (u[k], w[k]))
+        ulp = 2.0 ** -7 if dtypes[k] == jnp.bfloat16 else 1e-5
+        assert np.max(np.abs(a - b)) <= 2 * ulp * np.max(np.abs(b)), (k, np.max(np.abs(a - b)))
