@@ -103,17 +103,7 @@ def _plan(tree: Any, dims: matrices.DimsSpec, devices: int, moving,
   per = [views[groups[k][0]].fan_in * views[groups[k][0]].fan_out for k in keys]
   slots, lengths = owners.placement(counts, per, devices)
   return _Plan(leaves, treedef, views, here, keys, groups, slots, lengths,
-               _load(slots, lengths, per, devices))
-
-
-def _load(slots: list, lengths: list, sizes: list, devices: int) -> list:
-  """The elements each device owns where the matrices of groups of ``sizes`` elements
-  sit in ``slots`` of stacks of ``lengths`` (``parallel/owners.py``, ``placement``)."""
-  load = [0] * devices
-  for sl, n, size in zip(slots, lengths, sizes):
-    for s in sl:
-      load[s // (n // devices)] += size
-  return load
+               owners.device_load(slots, lengths, per, devices))
 
 
 def _moving_sizes(views: list, splits: list, devices: int, rank: Optional[int],
@@ -156,8 +146,8 @@ def _moving_sizes(views: list, splits: list, devices: int, rank: Optional[int],
   for t in range(1, len(order) + 1):
     moved = order[:t]
     sizes = [cand[k][0] for k in moved]
-    load = _load(*owners.placement([cand[k][1] for k in moved], sizes, devices), sizes,
-                 devices)
+    load = owners.device_load(*owners.placement([cand[k][1] for k in moved], sizes, devices),
+                              sizes, devices)
     cost = (2 * max(load) * (devices - 1) / devices
             + sum(cand[k][2] for k in order[t:]))
     if cost < best_cost:
@@ -233,6 +223,76 @@ def _slot_indices(p: _Plan, g: int, firsts: list) -> jax.Array:
   return jnp.asarray(table, jnp.uint32)
 
 
+def _init_splits(params: Any, dims: matrices.DimsSpec, devices: int, param_specs: Any,
+                 sizes: Optional[dict], mesh: Any) -> list:
+  """Per leaf of ``params``, :func:`_split_smaller` from the specs given when the
+  optimizer was built (``param_specs``), else the split guessed on ``mesh``."""
+  leaves, treedef = jax.tree.flatten(params)
+  views = [matrices.matrix_view(jnp.shape(x), d, what="owned_stacks") for x, d in zip(
+      leaves, treedef.flatten_up_to(model_dims.resolve_dims(dims, params)))]
+  given = {} if param_specs is None else owners.path_specs(param_specs)
+  return [_split_smaller(v, given.get(k), devices, sizes, mesh)
+          for v, k in zip(views, owners.leaf_keys(params))]
+
+
+def _to_stacks(p: _Plan, specs: list) -> tuple:
+  """Per owned group, its members' matrices ``(k, m, n)`` (smaller side first) in the
+  members' promoted dtype (bfloat16 and float32 matrices of a size travel as float32,
+  and come back in each leaf's own dtype); per leaf, the split of those matrices
+  where known (``parallel/owners.py``, ``view_split``)."""
+  canonical = [v.to_canonical(x).reshape((v.num_matrices, v.fan_in, v.fan_out))
+               for x, v in zip(p.leaves, p.views)]
+  canonical = [jnp.swapaxes(x, -1, -2) if _turned(v) else x
+               for x, v in zip(canonical, p.views)]
+  splits = [owners.view_split(v, s) for v, s in zip(p.views, specs)]
+  splits = [owners.transposed_split(sp) if _turned(v) else sp
+            for sp, v in zip(splits, p.views)]
+  moved = [[canonical[i] for i in p.groups[k]] for k in p.keys]
+  return [[x.astype(jnp.result_type(*xs)) for x in xs] for xs in moved], splits
+
+
+def _from_stacks(p: _Plan, outs: list) -> list:
+  """Per leaf, its moved matrices' updates (``outs``: per group, per member) in the
+  leaf's layout and dtype; ``None`` for the leaves that stay."""
+  res: list = [None] * len(p.leaves)
+  for k, out in zip(p.keys, outs):
+    for i, part in zip(p.groups[k], out):
+      v = p.views[i]
+      part = jnp.swapaxes(part, -1, -2) if _turned(v) else part
+      part = v.from_canonical(part.reshape(v.batch_shape + (v.fan_in, v.fan_out)))
+      res[i] = lifting.cast_like(part, p.leaves[i].dtype)
+  return res
+
+
+def _merged(part: tuple, new: list) -> Any:
+  """A group's state from :func:`_stack_part`'s ``part`` with its kept leaves ``new``."""
+  leaves, treedef, kept = part
+  mine = iter(new)
+  return treedef.unflatten([next(mine) if k else x for x, k in zip(leaves, kept)])
+
+
+def _owner_body(stacked, p: _Plan, parts: list, tables: list, extra: dict):
+  """``parallel/owners.py``'s ``run_owned`` body: the blocks (``stacked``) on one size's
+  matrices on their owners, each matrix drawing as its index in the tree says
+  (``tables``, :func:`_slot_indices`); the state's constants (a PRNG key) taken whole
+  from the old state."""
+  def body(g, stack, kept_leaves):
+    leaves, _, kept = parts[g]
+    at = owners.running_slots()
+    ids = tables[g] if at is None else tables[g][at]
+    with rng.indexed([ids[:stack.shape[0]]]):  # each matrix keeps its draws
+      out, st = stacked.update({p.keys[g]: stack}, _merged(parts[g], kept_leaves), **extra)
+    new = jax.tree.leaves(st)
+    for x, old, k in zip(new, leaves, kept):
+      if not k and x is not old:
+        raise NotImplementedError(
+            "owned_stacks: the chain changes a state array that is not per matrix "
+            f"(shape {jnp.shape(old)}), which the owners cannot keep.")
+    return out[p.keys[g]], [x for x, k in zip(new, kept) if k]
+
+  return body
+
+
 def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = (),
                  devices: int, dims: matrices.DimsSpec = None, param_specs: Any = None,
                  mesh: Any = None, rank: Optional[int] = None, summed: float = 3.0,
@@ -285,13 +345,7 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
   known = mesh if sizes and owners._mesh_size(mesh) == devices else None
 
   def init_fn(params):
-    leaves, treedef = jax.tree.flatten(params)
-    views = [matrices.matrix_view(jnp.shape(x), d, what="owned_stacks") for x, d in zip(
-        leaves, treedef.flatten_up_to(model_dims.resolve_dims(dims, params)))]
-    keys = owners.leaf_keys(params)
-    given = {} if param_specs is None else owners.path_specs(param_specs)
-    split = [_split_smaller(v, given.get(k), devices, sizes, known)
-             for v, k in zip(views, keys)]
+    split = _init_splits(params, dims, devices, param_specs, sizes, known)
     p = _plan(params, dims, devices, split, rank, summed)
     if not p.keys or (not asked and owners.visibly_replicated(params)):
       # nothing moves (or data parallelism on Explicit axes): the state as the parameters
@@ -299,8 +353,8 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     owned = {}
     for k, n in zip(p.keys, p.lengths):
       v = p.views[p.groups[k][0]]
-      m, c = sorted((v.fan_in, v.fan_out))
-      owned[k] = stacked.init({k: jnp.zeros((n, m, c), jnp.float32)})
+      owned[k] = stacked.init({k: jnp.zeros((n,) + tuple(sorted((v.fan_in, v.fan_out))),
+                                            jnp.float32)})
     return OwnedStacksState(owned=owned, local=per_leaf.init(_local(p)),
                             tail=after.init(params), load=jnp.asarray(p.load, jnp.int32))
 
@@ -308,53 +362,16 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     if not isinstance(state, OwnedStacksState):  # laid out as the parameters (init)
       return whole.update(updates, state, params, **extra)
     p = _plan(updates, dims, state.load.shape[0], frozenset(state.owned))
-    specs = owners.leaf_specs(updates)
-    canonical = [v.to_canonical(x).reshape((v.num_matrices, v.fan_in, v.fan_out))
-                 for x, v in zip(p.leaves, p.views)]
-    canonical = [jnp.swapaxes(x, -1, -2) if _turned(v) else x
-                 for x, v in zip(canonical, p.views)]
-    splits = [owners.view_split(v, s) for v, s in zip(p.views, specs)]
-    splits = [owners.transposed_split(sp) if _turned(v) else sp
-              for sp, v in zip(splits, p.views)]
-    # one dtype per stack, the members' promoted one (bfloat16 and float32 matrices of a
-    # size: float32), which its results come back in before each leaf's own
-    moved = [[canonical[i] for i in p.groups[k]] for k in p.keys]
-    moved = [[x.astype(jnp.result_type(*xs)) for x in xs] for xs in moved]
+    moved, splits = _to_stacks(p, owners.leaf_specs(updates))
     parts = [_stack_part(state.owned[k], n) for k, n in zip(p.keys, p.lengths)]
-
     firsts = list(itertools.accumulate([0] + [v.num_matrices for v in p.views]))
-    tables = [_slot_indices(p, g, firsts) for g in range(len(p.keys))]
-
-    def body(g, stack, kept_leaves):  # one size's matrices on their owners
-      leaves, treedef, kept = parts[g]
-      mine = iter(kept_leaves)
-      st = treedef.unflatten([next(mine) if k else x for x, k in zip(leaves, kept)])
-      at = owners.running_slots()
-      ids = tables[g] if at is None else tables[g][at]
-      with rng.indexed([ids[:stack.shape[0]]]):  # each matrix keeps its draws
-        out, st = stacked.update({p.keys[g]: stack}, st, **extra)
-      new = jax.tree.leaves(st)
-      for x, old, k in zip(new, leaves, kept):
-        if not k and x is not old:
-          raise NotImplementedError(
-              "owned_stacks: the chain changes a state array that is not per matrix "
-              f"(shape {jnp.shape(old)}), which the owners cannot keep.")
-      return out[p.keys[g]], [x for x, k in zip(new, kept) if k]
-
+    body = _owner_body(stacked, p, parts, [_slot_indices(p, g, firsts)
+                                           for g in range(len(p.keys))], extra)
     outs, kept_new = owners.run_owned(
         body, moved, [[x for x, k in zip(lv, kept) if k] for lv, _, kept in parts],
         p.slots, p.lengths, [[splits[i] for i in p.groups[k]] for k in p.keys])
-    owned = {}
-    for k, (leaves, treedef, kept), new in zip(p.keys, parts, kept_new):
-      mine = iter(new)
-      owned[k] = treedef.unflatten([next(mine) if f else x for x, f in zip(leaves, kept)])
-    res: list = [None] * len(p.leaves)
-    for k, out in zip(p.keys, outs):
-      for i, part in zip(p.groups[k], out):
-        v = p.views[i]
-        part = jnp.swapaxes(part, -1, -2) if _turned(v) else part
-        part = v.from_canonical(part.reshape(v.batch_shape + (v.fan_in, v.fan_out)))
-        res[i] = lifting.cast_like(part, p.leaves[i].dtype)
+    owned = {k: _merged(part, new) for k, part, new in zip(p.keys, parts, kept_new)}
+    res = _from_stacks(p, outs)
     local_params = None if params is None else _local(p, p.treedef.flatten_up_to(params))
     with rng.indexed([firsts[i] + jnp.arange(v.num_matrices, dtype=jnp.uint32)
                       for i, (v, h) in enumerate(zip(p.views, p.here)) if h]):

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import fisher_optax as fo
 from benchmarks import collectives
 from tests import registry, util
+from tests.test_owner_state import _mesh  # the 4 x 2 (fsdp, tensor) mesh
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
 
@@ -32,11 +33,6 @@ def _params():
 
 def _grads(t):
   return util.random_tree(PARAMS, 100 + 7 * t)
-
-
-def _mesh(explicit=False):
-  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
-  return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind, kind))
 
 
 def _layout(**kw):
@@ -199,6 +195,25 @@ def test_zero_and_nan_gradients_stay_in_their_leaf_with_the_state_on_owners():
   with jax.set_mesh(mesh):
     tx = _tx("alice", _layout(param_specs=SPECS, state_placed=True))
   util.assert_zero_and_nan_stay_in_their_leaf(tx, PARAMS, _params, _grads, SPECS, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,scale", [("galore", 1e-30), ("alice", 1e-30),
+                                        ("galore", 1e18), ("alice", 1e18)])
+def test_tiny_and_huge_gradients_with_the_state_on_owners(name, scale):
+  """Gradients near 1e-30 and 1e18, 3 steps (a refresh at 1 and 3) on the 4 x 2 mesh
+  with the state on the owners: finite parameters, those of one device with the state
+  per leaf."""
+  mesh = _mesh()
+  grads = lambda t: jax.tree.map(lambda g: g * scale, _grads(t))  # noqa: E731
+  want, _ = util.run_sharded(_tx(name, False), _params(), grads, SPECS, 3)
+  with jax.set_mesh(mesh):
+    tx = _tx(name, _layout(param_specs=SPECS, state_placed=True))
+    got, state = util.run_sharded(tx, _params(), grads, SPECS, 3, mesh)
+  assert sorted(_owned_state(state).owned) == ["16x16", "16x32"]
+  for k in PARAMS:
+    assert np.isfinite(np.asarray(got[k])).all(), k
+  _close(got, want, f"{name}, gradients times {scale}")
 
 
 def test_describe_counts_the_owned_stacks_with_their_padding():

@@ -135,11 +135,7 @@ def owned_plan(rot, lifted, devices: int) -> tuple:
   counts = [sum(lifted.views[i].num_matrices for i in groups[k]) for k in keys]
   sizes = [lifted.views[groups[k][0]].m * lifted.views[groups[k][0]].n for k in keys]
   slots, lengths = owners.placement(counts, sizes, devices)
-  load = [0] * devices
-  for sl, n, size in zip(slots, lengths, sizes):
-    for s in sl:
-      load[s // (n // devices)] += size
-  return keys, groups, slots, lengths, load
+  return keys, groups, slots, lengths, owners.device_load(slots, lengths, sizes, devices)
 
 
 def resolve(setting) -> tuple:

@@ -1258,6 +1258,17 @@ def placement(counts: list, sizes: list, devices: int) -> tuple:
   return out, [c * devices for _, c in wheres]
 
 
+def device_load(slots: list, lengths: list, sizes: list, devices: int) -> list:
+  """The elements each device owns where the matrices of groups of ``sizes`` elements
+  sit in ``slots`` of stacks of ``lengths`` (:func:`placement`'s results): device ``d``
+  holds slots ``[d c, (d + 1) c)`` of a stack of ``c P``."""
+  load = [0] * devices
+  for sl, n, size in zip(slots, lengths, sizes):
+    for s in sl:
+      load[s // (n // devices)] += size
+  return load
+
+
 def _block_layout(shape: tuple, split: list, mesh) -> tuple:
   """For a stack ``(k, m, n)`` split over mesh axes as ``split`` says: the block one device
   holds ``(k, m / R_m, n / R_n)`` and, for the blocks of a matrix listed in the order of
