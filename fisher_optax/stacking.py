@@ -237,11 +237,6 @@ def stack_matrices(inner: optax.GradientTransformation, *,
 # ------------------------------------------------------------ converting a state's layout
 
 
-def _one_level(x: Any):
-  """``(children, treedef)`` of the root of ``x`` only (its children kept whole)."""
-  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-
-
 def _is_leaf_node(treedef) -> bool:
   return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
@@ -293,6 +288,9 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
   """``src`` brought to the layout of ``tpl`` (its abstract twin in the target layout),
   walking both trees together."""
   where = jax.tree_util.keystr(path) or "the state"
+  owned = owned_stacks.OwnedStacksState
+  if (isinstance(src, owned) or isinstance(tpl, owned)) and not _same_layout(src, tpl):
+    return _convert_owned(src, tpl, plans, where)
   if isinstance(tpl, StackMatricesState) or isinstance(src, StackMatricesState):
     inner = lambda x: x.inner if isinstance(x, StackMatricesState) else x  # noqa: E731
     out = _convert(inner(src), inner(tpl), plans, path)
@@ -307,8 +305,8 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
           f"convert_state_layout: {where} does not hold the matrices of the target "
           "optimizer's parameters in either layout: the state is not one of this "
           f"optimizer's (other hyperparameters, another parameter tree?). ({e})") from None
-  src_children, src_def = _one_level(src)
-  tpl_children, tpl_def = _one_level(tpl)
+  src_children, src_def = owned_stacks.one_level(src)
+  tpl_children, tpl_def = owned_stacks.one_level(tpl)
   def mismatch():
     return ValueError(
         f"convert_state_layout: {where} is {_describe(src)} in the given state but "
@@ -325,6 +323,45 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
       tpl, is_leaf=lambda y: y is not tpl)[0]]
   return tpl_def.unflatten([_convert(s, t, plans, path + k)
                             for s, t, k in zip(src_children, tpl_children, keys)])
+
+
+def _same_layout(src: Any, tpl: Any) -> bool:
+  """Whether two states have one structure and the same shapes (a state kept on the
+  owners padded for as many devices, over the same stacks, as the target's)."""
+  if jax.tree.structure(src) != jax.tree.structure(tpl):
+    return False
+  return all(tuple(jnp.shape(a)) == tuple(jnp.shape(b))
+             for a, b in zip(jax.tree.leaves(src), jax.tree.leaves(tpl)))
+
+
+def _convert_owned(src: Any, tpl: Any, plans: list, where: str) -> Any:
+  """A state kept on the owners (``OwnedStacksState``) to the parameters' layout, or
+  back, or to the owners of another device count: through the per-leaf layout
+  (:func:`fisher_optax.owned_stacks.to_per_leaf`), which :func:`_convert` then brings to
+  ``tpl`` (stacked or not). Each named optimizer's
+  structured leaves are tried as the tree the state was built for."""
+  kind = owned_stacks.OwnedStacksState
+  errors = []
+  for rec, _, _ in plans:
+    tree = jax.tree.map(lambda x, lab: x if lab == "structured" else optax.MaskedNode(),
+                        rec.params, rec.labels)
+    dims = rec.routed.dims
+    try:
+      mid = owned_stacks.to_per_leaf(src, tree, dims) if isinstance(src, kind) else src
+      if not isinstance(tpl, kind):
+        return _convert(mid, tpl, plans, ())
+      per_leaf = jax.eval_shape(lambda t: owned_stacks.to_per_leaf(t, tree, dims), tpl)
+      out = owned_stacks.to_owned(_convert(mid, per_leaf, plans, ()), tpl, tree, dims)
+      if jax.tree.structure(out) != jax.tree.structure(tpl):
+        raise ValueError("the stacks' state differs from the target's")
+      return out
+    except (ValueError, TypeError, KeyError) as e:
+      errors.append(e)
+  raise ValueError(
+      f"convert_state_layout: {where} does not hold the low-rank state of the target "
+      "optimizer's parameters, on their owners or laid out as the parameters: the state "
+      f"is not one of this optimizer's (other hyperparameters, another parameter tree?). "
+      f"({errors[0] if errors else 'no named optimizer'})")
 
 
 def _describe(x: Any) -> str:
@@ -350,6 +387,14 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   state already in ``tx``'s layout is returned as it is. The draws of the methods that
   draw random numbers per matrix (switching, APOLLO) continue as the target layout draws
   them.
+
+  The low-rank family's state kept on the matrices' owners
+  (``fo.OwnerLayout(state_on_owners=...)``, :class:`~fisher_optax.OwnedStacksState`)
+  converts the same way to and from the parameters' layout (each matrix's statistics
+  from and to its slot of its size's stack; padding slots start at zero, as ``init``
+  leaves them) and between the owners of two device counts, e.g. for a checkpoint of a
+  run on 8 devices continued by an optimizer built under a mesh of 32. It also
+  continues as it is on any mesh or on one device.
 
   This is what a checkpoint needs when it moves between backends: ``stack_matrices``'
   default ``"auto"`` stacks on GPU and TPU and not on CPU. Restore it with the
@@ -379,26 +424,8 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   if not found:
     raise ValueError("convert_state_layout: tx holds no fisher_optax named optimizer "
                      "(fo.racs, fo.alice, ...), so it has no stack_matrices layout")
-  owned = [_holds_owned(x) for x in (state, template)]
-  if owned[0] != owned[1]:
-    raise ValueError(
-        "convert_state_layout: the state "
-        f"{'holds' if owned[0] else 'holds no'} OwnedStacksState and the target "
-        f"optimizer's {'does not' if owned[0] else 'does'}: a state kept on the owners "
-        "(OwnerLayout(state_on_owners=True)) converts to and from its own layout only. It "
-        "records the device count it is padded for and continues on any mesh or on one "
-        "device: restore it with the optimizer it was saved with, state_on_owners set as "
-        "then.")
   plans = []
   for rec in found:
     p, index = plan_routed(rec.params, rec.labels, rec.routed.dims)
     plans.append((rec, p, index))
   return _convert(state, template, plans, ())
-
-
-def _holds_owned(state: Any) -> bool:
-  """Whether ``state`` holds a state kept on the owners
-  (:class:`~fisher_optax.OwnedStacksState`)."""
-  kind = owned_stacks.OwnedStacksState
-  return any(isinstance(x, kind) for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, kind)))
