@@ -28,6 +28,7 @@ Nothing here changes a value.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -164,6 +165,46 @@ def ruled_specs(specs: Any) -> Optional[Any]:
                       is_leaf=lambda x: isinstance(x, P))
 
 
+OWNERS_AXIS = "fo_owners"
+
+
+def _in_force_rules() -> tuple:
+  """Flax's logical axis rules in force (``nn.logical_axis_rules``), or ``()``."""
+  if "flax" not in sys.modules:
+    return ()
+  from flax.linen import spmd
+  return tuple(spmd.get_logical_axis_rules() or ())
+
+
+def owners_name(spec: P, rules: tuple, mesh: Any) -> P:
+  """The spec of a stack kept on its owners (its leading axis split over the mesh axes
+  ``spec[0]`` names) as a logical name of ``rules``, for a state named by logical names
+  that the rules map to mesh axes later (MaxText, the Flax logical recipes): the first
+  name whose first rule maps to the same mesh axes of more than one device, in order
+  (size-one axes split nothing). Where no rule does, the reserved name
+  ``"fo_owners"``, with a warning that names the rule to add: unmapped, the stacks would
+  be whole on every device."""
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  sizes = dict(getattr(mesh, "shape", None) or {})
+  split = lambda names: tuple(a for a in names if sizes.get(a, 2) > 1)  # noqa: E731
+  want, seen = split(axes), set()
+  for name, target in rules:
+    if name in seen:
+      continue
+    seen.add(name)
+    target = (target,) if isinstance(target, str) or target is None else tuple(target)
+    if split([a for a in target if a is not None]) == want:
+      return P(name, *spec[1:])
+  if not any(name == OWNERS_AXIS for name, _ in rules):
+    warnings.warn(
+        "fisher_optax: the optimizer state kept on the matrices' owners is split over the "
+        f"mesh axes {want} on its first axis, and no logical axis rule in force maps a "
+        f"name to them, so it is named {OWNERS_AXIS!r}. Add the rule "
+        f"({OWNERS_AXIS!r}, {want}) to your logical axis rules (MaxText: "
+        "logical_axis_rules), else those stacks are whole on every device.", stacklevel=6)
+  return P(OWNERS_AXIS, *spec[1:])
+
+
 def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
   """``state`` (``tx.init(pure)``, ``pure`` the values of the boxed tree ``params``)
   with each leaf that belongs to a parameter in a box of that parameter's type and
@@ -182,14 +223,20 @@ def name_state(tx: Any, state: Any, params: Any, pure: Any, dims: Any) -> Any:
                                boxed=mesh is not None and named <= set(mesh.axis_names))
 
   boxed = [x for x in leaves if is_box(x)]
+  # under logical axis rules the state's names are mapped by them later: a stack kept on
+  # its owners is named by the rule that maps to its mesh axes
+  rules = _in_force_rules()
+  owner_mesh = mesh if mesh is not None else getattr(tx, "info", {}).get("owner_mesh")
 
   def wrap(leaf, owned_leaf):
     owner = owned_leaf.owner
     if owner is None:
       # state of no one parameter laid out over the mesh (stacks kept on their owners,
       # ``parallel/owners.py``): boxed like the parameters, named by its own spec
-      return (_named(boxed[0], leaf, owned_leaf.spec)
-              if boxed and tuple(owned_leaf.spec) else leaf)
+      spec = owned_leaf.spec
+      if rules and tuple(spec) and spec[0] is not None:
+        spec = owners_name(spec, rules, owner_mesh)
+      return _named(boxed[0], leaf, spec) if boxed and tuple(spec) else leaf
     if not is_box(leaves[owner]):
       return leaf
     return _named(leaves[owner], leaf, owned_leaf.spec)
