@@ -32,6 +32,7 @@ import numpy as np
 import optax
 
 from fisher_optax import lifting, matrices, model_dims, owned_stacks, routing
+from fisher_optax.parallel import variables
 
 
 class StackMatricesState(NamedTuple):
@@ -405,9 +406,11 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
     state = fo.convert_state_layout(state, fo.racs(lr, stack_matrices=False), params)
 
   Args:
-    state: the optimizer state in either layout (arrays; under ``jax.jit`` tracers).
+    state: the optimizer state in either layout (arrays; under ``jax.jit`` tracers;
+      boxed in ``nnx.Variable`` s or Linen boxes as ``tx.init`` boxes it, or not).
     tx: the transformation that will continue it.
-    params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``, or a tree of boxes:
+      the result is then boxed as ``tx.init`` boxes the state of these parameters).
 
   Returns:
     The state in ``tx``'s layout, with the structure, shapes and dtypes of
@@ -418,6 +421,11 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
     ValueError: ``tx`` holds no named optimizer, or ``state`` is not a state of ``tx``
       in either layout (the message names the first leaf that differs).
   """
+  if variables.has_variables(params) or variables.has_variables(state):
+    # boxes (nnx.Variables, Linen's nn.Partitioned) carry names only: the values are
+    # converted, then boxed as tx.init boxes its state for these parameters
+    out = convert_state_layout(variables.unwrap(state), tx, variables.unwrap(params))
+    return variables.rewrap_like(jax.eval_shape(lambda p: tx.init(p), params), out)
   with routing.record_routed_inits() as found:
     # a new function each call: a trace jax cached would not run the recording inits
     template = jax.eval_shape(lambda p: tx.init(p), params)

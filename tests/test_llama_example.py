@@ -116,6 +116,28 @@ def test_resume_in_the_other_layout_equals_uninterrupted_run(tmp_path, cache):
 
 
 @pytest.mark.example
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+def test_resume_on_another_mesh_converts_the_state_kept_on_the_owners(tmp_path, cache):
+  """GaLore stopped after 3 steps on a mesh of one FSDP axis, where its state is kept on
+  the matrices' owners, resumed on data 2 x FSDP 2 x TP 2 (where it is laid out as the
+  parameters) and on one device: the checkpoint is restored in the layout of the mesh it
+  was saved on, converted, and both runs end where the uninterrupted one does."""
+  galore = ["--optimizer", "galore"]
+  full = train.run(_args(tmp_path / "full", cache, *galore, "--mesh", "1,8,1"),
+                   log=lambda *_: None)
+  for mesh in ("2,2,2", None):
+    out = tmp_path / f"cut_{mesh}"
+    train.run(_args(out, cache, *galore, "--mesh", "1,8,1", "--stop-after", "3"),
+              log=lambda *_: None)
+    said = []
+    resumed = train.run(_args(out, cache, *galore, "--resume",
+                              *(["--mesh", mesh] if mesh else [])), log=said.append)
+    assert any("converted" in str(m) for m in said), said
+    for x, y in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(resumed["params"])):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.example
 def test_compare_writes_summary_and_plot(tmp_path, cache):
   compare.main(["--preset", "tiny", "--optimizers", "adam,galore", "--steps", "4",
                 "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",

@@ -247,6 +247,27 @@ def test_conversion_sees_through_wrappers():
   assert _same(fo.convert_state_layout(moved, source, params), state)
 
 
+def test_conversion_of_a_state_boxed_in_nnx_variables():
+  """Parameters in ``nnx.Variable`` s (an NNX model's ``nnx.state``), the state boxed as
+  ``tx.init`` names it for them or not boxed (as a checkpoint may hold it): the state
+  converts, boxed as the target's ``init`` boxes it, with the values of the unboxed
+  conversion."""
+  from flax import nnx
+
+  params = _params()
+  boxed = jax.tree.map(nnx.Param, params)
+  per_leaf, stacked = _build("racs", {}, False, params), _build("racs", {}, True, params)
+  _, state = _run(per_leaf, params, steps=2)
+  want = fo.convert_state_layout(state, stacked, params)
+  is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+  for given in (state, fo.parallel.variables.rewrap_like(per_leaf.init(boxed), state)):
+    moved = fo.convert_state_layout(given, stacked, boxed)
+    assert (jax.tree.structure(moved, is_leaf=is_var)
+            == jax.tree.structure(stacked.init(boxed), is_leaf=is_var))
+    assert any(is_var(x) for x in jax.tree.leaves(moved, is_leaf=is_var))
+    assert _same(fo.parallel.variables.unwrap(moved), want)
+
+
 def test_conversion_errors_name_the_problem():
   params = _params()
   state = _build("racs", {}, True, params).init(params)

@@ -234,24 +234,58 @@ class Checkpoints:
     got = self.mgr.restore(self.mgr.latest_step(), args=self.ocp.args.StandardRestore(abstract))
     return got["params"], got["opt_state"], int(got["data_step"])
 
-  def restore_any_layout(self, params, opt_state, tx, other_tx, other_shardings=None):
-    """:meth:`restore`; a checkpoint of the optimizer's other ``stack_matrices`` layout
-    (saved on a backend whose ``"auto"`` chose the other one) is restored in its own
-    layout (``other_tx``'s, on ``other_shardings`` under a mesh) and converted with
-    ``fo.convert_state_layout``. Returns ``(params, opt_state, step, converted)``."""
+  def restore_any_layout(self, params, opt_state, tx, others=()):
+    """:meth:`restore`; a checkpoint whose optimizer state has another layout is restored
+    in the first of ``others`` that fits it, ``(other_tx, other_shardings)`` pairs (the
+    optimizer's other ``stack_matrices`` layout, saved on a backend whose ``"auto"`` chose
+    it; the optimizer as built for the mesh the checkpoint was saved on, whose state may
+    be kept on the matrices' owners), on ``other_shardings`` under a mesh, and converted
+    with ``fo.convert_state_layout``. Returns ``(params, opt_state, step, converted)``."""
     try:
       return (*self.restore(params, opt_state), False)
     except ValueError as e:
-      if other_tx is None or "structure" not in str(e).lower():
+      if not others or "structure" not in str(e).lower():
         raise
+      first = e
     shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), opt_state)
-    saved = jax.eval_shape(other_tx.init, params)
-    if other_shardings is not None:
+    for other_tx, other_shardings in others:
+      saved = jax.eval_shape(other_tx.init, params)
+      if other_shardings is None:  # one device (a checkpoint of a mesh restored here)
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        other_shardings = jax.tree.map(lambda _: one, saved)
       saved = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                            saved, other_shardings)
-    params, state, step = self.restore(params, saved)
-    state = fo.convert_state_layout(state, tx, params)
-    return params, jax.device_put(state, shardings), step, True
+      try:
+        params, state, step = self.restore(params, saved)
+      except ValueError as e:
+        if "structure" not in str(e).lower():
+          raise
+        continue
+      state = fo.convert_state_layout(state, tx, params)
+      return params, jax.device_put(state, shardings), step, True
+    raise first
+
+
+def _saved_mesh(out: pathlib.Path):
+  """The ``--mesh`` of the run that wrote ``out`` (its ``config.json``), or ``None``."""
+  try:
+    return json.loads((out / "config.json").read_text()).get("mesh")
+  except (OSError, ValueError):
+    return None
+
+
+def tx_as_saved(args, setup: Setup, mesh_spec):
+  """The optimizer as a run on ``--mesh mesh_spec`` built it: for that mesh (abstract:
+  its devices need not exist here) the low-rank family and the rotation family keep
+  their state on the owners where that sends less, padded for its device count, so a
+  checkpoint saved there is restored in that layout and converted."""
+  if not mesh_spec:
+    return make_tx(args, setup.params, setup.lr)
+  sizes = tuple(int(x) for x in mesh_spec.split(","))
+  abstract = jax.sharding.AbstractMesh(sizes, ("data", "fsdp", "tensor"))
+  with jax.sharding.use_abstract_mesh(abstract):  # as `run` builds it under its mesh
+    return make_tx(args, setup.params, setup.lr,
+                   **owner_settings(args, param_specs(setup.params)))
 
 
 def _read_metrics(path: pathlib.Path, upto: int) -> list[dict]:
@@ -271,6 +305,7 @@ def run(args, *, log=print) -> dict:
     log = lambda *_: None
   setup = build(args)
   cfg, corpus = setup.cfg, setup.corpus
+  saved_mesh = _saved_mesh(out) if args.resume else None
   mesh = make_mesh(args.mesh)
   owned = {}
   if mesh is not None:
@@ -306,17 +341,21 @@ def run(args, *, log=print) -> dict:
 
   start, rows, wall = 0, [], 0.0
   if args.resume and ckpt.latest() is not None:
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-      other = (make_tx(args, setup.params, setup.lr,
-                       stack_matrices=not fo.stacking.is_stacked(setup.tx), **owned)
-               if isinstance(setup.tx, fo.routing.RoutedTransformation) else None)
-    other_sh = (fo.state_shardings(other, setup.params, specs, mesh)
-                if other is not None and mesh is not None else None)
+    others = []
+    if isinstance(setup.tx, fo.routing.RoutedTransformation):
+      with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        others.append(make_tx(args, setup.params, setup.lr,
+                              stack_matrices=not fo.stacking.is_stacked(setup.tx), **owned))
+      if saved_mesh != args.mesh:
+        others.append(tx_as_saved(args, setup, saved_mesh))
+    others = [(o, fo.state_shardings(o, setup.params, specs, mesh) if mesh is not None
+               else None) for o in others]
     params, opt_state, start, converted = ckpt.restore_any_layout(params, opt_state,
-                                                                  setup.tx, other, other_sh)
+                                                                  setup.tx, others)
     if converted:
-      log("the checkpoint's optimizer state was in the other stack_matrices layout: "
-          "converted with fo.convert_state_layout")
+      log("the checkpoint's optimizer state was in another layout (the other "
+          "stack_matrices, or that of the mesh it was saved on): converted with "
+          "fo.convert_state_layout")
     rows = _read_metrics(out / "metrics.csv", start)
     wall = float(rows[-1]["wall_s"]) if rows else 0.0
     log(f"resumed from step {start}")
