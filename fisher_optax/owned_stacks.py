@@ -37,7 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from fisher_optax import lifting, matrices, model_dims, rng
-from fisher_optax.parallel import owners
+from fisher_optax.parallel import owners, slots
 
 
 class OwnedStacksState(NamedTuple):
@@ -293,40 +293,9 @@ def _owner_body(stacked, p: _Plan, parts: list, tables: list, extra: dict):
   return body
 
 
-def _member_slots(p: _Plan) -> dict:
-  """Per moved leaf (its index among the tree's leaves), its group and the slots of its
-  matrices, in the order its matrices are stacked."""
-  out = {}
-  for g, k in enumerate(p.keys):
-    at = 0
-    for i in p.groups[k]:
-      count = p.views[i].num_matrices
-      out[i] = (g, p.slots[g][at:at + count])
-      at += count
-  return out
-
-
-def one_level(x: Any) -> tuple:
-  """``(children, treedef)`` of the root of ``x`` only (its children kept whole)."""
-  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-
-
-def _statistic(owned: list, keys: list) -> bool:
-  """Whether the groups' nodes ``owned`` are a statistic over the stacks (``{key: ...}``,
-  one per group), where the per-leaf state has a tree shaped as the parameters."""
-  return all(isinstance(x, dict) and list(x) == [k] for x, k in zip(owned, keys))
-
-
-def _same_node(a: Any, others: list) -> list:
-  """The children of ``a`` and of each of ``others``, which must be nodes of one kind."""
-  kids, tdef = one_level(a)
-  out = []
-  for o in others:
-    o_kids, o_def = one_level(o)
-    if o_def.node_data() != tdef.node_data() or len(o_kids) != len(kids):
-      raise ValueError(f"a {type(o).__name__} where the state has a {type(a).__name__}")
-    out.append(o_kids)
-  return kids, tdef, out
+def _where(p: _Plan) -> dict:
+  """Per moved leaf, its group and its matrices' slots (``parallel/slots.py``)."""
+  return slots.member_slots(p.groups, p.keys, p.slots, [v.num_matrices for v in p.views])
 
 
 def to_per_leaf(state: OwnedStacksState, tree: Any, dims: matrices.DimsSpec) -> tuple:
@@ -338,30 +307,19 @@ def to_per_leaf(state: OwnedStacksState, tree: Any, dims: matrices.DimsSpec) -> 
   parameters the optimizer was initialised with (shapes suffice), ``dims`` their matrix
   axes. Used by ``fisher_optax.convert_state_layout``."""
   p = _plan(tree, dims, state.load.shape[0], frozenset(state.owned))
-  keys, where = p.keys, _member_slots(p)
-  if keys != sorted(state.owned):
-    raise ValueError(f"stacks {sorted(state.owned)} in the state, {keys} for these parameters")
-  local_def = jax.tree.structure(_local(p))
+  if p.keys != sorted(state.owned):
+    raise ValueError(f"stacks {sorted(state.owned)} in the state, {p.keys} for these "
+                     "parameters")
+  where = _where(p)
 
-  def walk(local, owned):
-    if _statistic(owned, keys):
-      here = iter(local_def.flatten_up_to(local))
-      entries = []
-      for i, (v, h) in enumerate(zip(p.views, p.here)):
-        if h:
-          entries.append(next(here))
-          continue
-        g, slots = where[i]
-        take = jnp.asarray(slots, jnp.int32)
-        entries.append(jax.tree.map(lambda x, v=v: x[take].reshape(v.batch_shape + x.shape[1:]),
-                                    owned[g][keys[g]]))
-      return p.treedef.unflatten(entries)
-    kids, tdef, owned_kids = _same_node(local, owned)
-    if tdef.num_nodes == 1 and tdef.num_leaves == 1:
-      return local
-    return tdef.unflatten([walk(c, [o[j] for o in owned_kids]) for j, c in enumerate(kids)])
+  def member(i, owned):
+    g, at = where[i]
+    take, batch = jnp.asarray(at, jnp.int32), p.views[i].batch_shape
+    return jax.tree.map(lambda x: x[take].reshape(batch + x.shape[1:]), owned[g][p.keys[g]])
 
-  return tuple(walk(state.local, [state.owned[k] for k in keys])) + tuple(state.tail)
+  blocks = slots.to_leaves(state.local, [state.owned[k] for k in p.keys], p.keys, p.treedef,
+                           jax.tree.structure(_local(p)), p.here, member)
+  return tuple(blocks) + tuple(state.tail)
 
 
 def to_owned(state: tuple, template: OwnedStacksState, tree: Any,
@@ -371,40 +329,21 @@ def to_owned(state: tuple, template: OwnedStacksState, tree: Any,
   target optimizer's ``init``), each moved matrix's statistics put in its slot, padding
   slots zero (as ``init`` leaves them), the counters and keys copied."""
   p = _plan(tree, dims, template.load.shape[0], frozenset(template.owned))
-  keys = p.keys
-  local_def = jax.tree.structure(_local(p))
   blocks, tail = tuple(state[:len(template.local)]), tuple(state[len(template.local):])
 
-  def stacked(g: int, t: Any, entries: list) -> Any:
-    members = p.groups[keys[g]]
-    put = jnp.asarray(p.slots[g], jnp.int32)
+  def stack(g, t, entries):
+    members, put = p.groups[p.keys[g]], jnp.asarray(p.slots[g], jnp.int32)
 
     def one(t, *xs):
-      rows = [jnp.reshape(x, (p.views[i].num_matrices,) + t.shape[1:])
-              for i, x in zip(members, xs)]
-      rows = jnp.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+      rows = jnp.concatenate([jnp.reshape(x, (p.views[i].num_matrices,) + t.shape[1:])
+                              for i, x in zip(members, xs)], axis=0)
       return jnp.zeros(t.shape, t.dtype).at[put].set(rows.astype(t.dtype))
 
     return jax.tree.map(one, t, *[entries[i] for i in members])
 
-  def walk(src, owned):
-    if _statistic(owned, keys):
-      entries = p.treedef.flatten_up_to(src)
-      local = local_def.unflatten([e for e, h in zip(entries, p.here) if h])
-      return local, [{k: stacked(g, o[k], entries)} for g, (k, o) in enumerate(zip(keys, owned))]
-    kids, tdef, owned_kids = _same_node(src, owned)
-    if tdef.num_nodes == 1 and tdef.num_leaves == 1:
-      for o in owned:
-        if tuple(jnp.shape(o)) != tuple(jnp.shape(src)):
-          raise ValueError(f"an array of shape {jnp.shape(src)} where the stacks' state has "
-                           f"one of shape {tuple(o.shape)}")
-      return src, [jnp.asarray(src, o.dtype) for o in owned]
-    parts = [walk(c, [o[j] for o in owned_kids]) for j, c in enumerate(kids)]
-    return (tdef.unflatten([a for a, _ in parts]),
-            [tdef.unflatten([b[g] for _, b in parts]) for g in range(len(keys))])
-
-  local, owned = walk(blocks, [template.owned[k] for k in keys])
-  return OwnedStacksState(owned=dict(zip(keys, owned)), local=local, tail=tail,
+  local, owned = slots.to_slots(blocks, [template.owned[k] for k in p.keys], p.keys,
+                                p.treedef, jax.tree.structure(_local(p)), p.here, stack)
+  return OwnedStacksState(owned=dict(zip(p.keys, owned)), local=local, tail=tail,
                           load=jnp.asarray(p.load, jnp.int32))
 
 

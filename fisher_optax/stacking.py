@@ -23,6 +23,7 @@ owners under that layout (:func:`stacks_of`) are what
 
 from __future__ import annotations
 
+import contextvars
 import re
 from typing import Any, NamedTuple
 
@@ -32,7 +33,8 @@ import numpy as np
 import optax
 
 from fisher_optax import lifting, matrices, model_dims, owned_stacks, routing
-from fisher_optax.parallel import variables
+from fisher_optax.blocks import rotate_owned
+from fisher_optax.parallel import slots, variables
 
 
 class StackMatricesState(NamedTuple):
@@ -292,6 +294,9 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
   owned = owned_stacks.OwnedStacksState
   if (isinstance(src, owned) or isinstance(tpl, owned)) and not _same_layout(src, tpl):
     return _convert_owned(src, tpl, plans, where)
+  rotated = rotate_owned.RotateOwnedState
+  if (isinstance(src, rotated) or isinstance(tpl, rotated)) and not _same_layout(src, tpl):
+    return _convert_rotated(src, tpl, plans, where)
   if isinstance(tpl, StackMatricesState) or isinstance(src, StackMatricesState):
     inner = lambda x: x.inner if isinstance(x, StackMatricesState) else x  # noqa: E731
     out = _convert(inner(src), inner(tpl), plans, path)
@@ -306,8 +311,8 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
           f"convert_state_layout: {where} does not hold the matrices of the target "
           "optimizer's parameters in either layout: the state is not one of this "
           f"optimizer's (other hyperparameters, another parameter tree?). ({e})") from None
-  src_children, src_def = owned_stacks.one_level(src)
-  tpl_children, tpl_def = owned_stacks.one_level(tpl)
+  src_children, src_def = slots.one_level(src)
+  tpl_children, tpl_def = slots.one_level(tpl)
   def mismatch():
     return ValueError(
         f"convert_state_layout: {where} is {_describe(src)} in the given state but "
@@ -326,6 +331,10 @@ def _convert(src: Any, tpl: Any, plans: list, path: tuple) -> Any:
                             for s, t, k in zip(src_children, tpl_children, keys)])
 
 
+# the rotations (settings, tree) the target's init recorded, for _convert_rotated
+_ROTATIONS: contextvars.ContextVar = contextvars.ContextVar("rotations", default=None)
+
+
 def _same_layout(src: Any, tpl: Any) -> bool:
   """Whether two states have one structure and the same shapes (a state kept on the
   owners padded for as many devices, over the same stacks, as the target's)."""
@@ -337,32 +346,55 @@ def _same_layout(src: Any, tpl: Any) -> bool:
 
 def _convert_owned(src: Any, tpl: Any, plans: list, where: str) -> Any:
   """A state kept on the owners (``OwnedStacksState``) to the parameters' layout, or
-  back, or to the owners of another device count: through the per-leaf layout
-  (:func:`fisher_optax.owned_stacks.to_per_leaf`), which :func:`_convert` then brings to
-  ``tpl`` (stacked or not). Each named optimizer's
-  structured leaves are tried as the tree the state was built for."""
-  kind = owned_stacks.OwnedStacksState
-  errors = []
+  back, or to the owners of another device count: each named optimizer's structured
+  leaves are tried as the tree the state was built for
+  (:func:`fisher_optax.owned_stacks.to_per_leaf`)."""
+  ways = []
   for rec, _, _ in plans:
     tree = jax.tree.map(lambda x, lab: x if lab == "structured" else optax.MaskedNode(),
                         rec.params, rec.labels)
-    dims = rec.routed.dims
+    ways.append((lambda s, tree=tree, d=rec.routed.dims: owned_stacks.to_per_leaf(s, tree, d),
+                 lambda s, t, tree=tree, d=rec.routed.dims: owned_stacks.to_owned(
+                     s, t, tree, d)))
+  return _through_per_leaf(src, tpl, plans, where, owned_stacks.OwnedStacksState, ways,
+                           "low-rank")
+
+
+def _convert_rotated(src: Any, tpl: Any, plans: list, where: str) -> Any:
+  """The rotation family's state kept on the owners (``RotateOwnedState``) to its
+  per-leaf state, or back, or to the owners of another device count: the rotations'
+  settings and trees are those their ``init`` recorded for the target
+  (:func:`fisher_optax.blocks.rotate_owned.to_per_leaf`)."""
+  ways = [(lambda s, rot=rot, tree=tree: rotate_owned.to_per_leaf(rot, s, tree),
+           lambda s, t, rot=rot, tree=tree: rotate_owned.to_owned(rot, s, tree,
+                                                                 t.load.shape[0]))
+          for rot, tree in _ROTATIONS.get() or []]
+  return _through_per_leaf(src, tpl, plans, where, rotate_owned.RotateOwnedState, ways,
+                           "rotation")
+
+
+def _through_per_leaf(src: Any, tpl: Any, plans: list, where: str, kind: type, ways: list,
+                      what: str) -> Any:
+  """``src`` to the layout of ``tpl`` where either is a state of ``kind`` kept on the
+  owners: through the per-leaf layout, which :func:`_convert` brings to ``tpl`` (stacked
+  or not). ``ways``: ``(to_per_leaf, to_owned)`` pairs to try, the first that fits."""
+  errors = []
+  for to_per_leaf, to_owned in ways:
     try:
-      mid = owned_stacks.to_per_leaf(src, tree, dims) if isinstance(src, kind) else src
+      mid = to_per_leaf(src) if isinstance(src, kind) else src
       if not isinstance(tpl, kind):
         return _convert(mid, tpl, plans, ())
-      per_leaf = jax.eval_shape(lambda t: owned_stacks.to_per_leaf(t, tree, dims), tpl)
-      out = owned_stacks.to_owned(_convert(mid, per_leaf, plans, ()), tpl, tree, dims)
-      if jax.tree.structure(out) != jax.tree.structure(tpl):
+      out = to_owned(_convert(mid, jax.eval_shape(to_per_leaf, tpl), plans, ()), tpl)
+      if not _same_layout(out, tpl):
         raise ValueError("the stacks' state differs from the target's")
       return out
     except (ValueError, TypeError, KeyError) as e:
       errors.append(e)
   raise ValueError(
-      f"convert_state_layout: {where} does not hold the low-rank state of the target "
+      f"convert_state_layout: {where} does not hold the {what} state of the target "
       "optimizer's parameters, on their owners or laid out as the parameters: the state "
       f"is not one of this optimizer's (other hyperparameters, another parameter tree?). "
-      f"({errors[0] if errors else 'no named optimizer'})")
+      f"({errors[0] if errors else 'no ' + what + ' state recorded'})")
 
 
 def _describe(x: Any) -> str:
@@ -389,13 +421,15 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   draw random numbers per matrix (switching, APOLLO) continue as the target layout draws
   them.
 
-  The low-rank family's state kept on the matrices' owners
-  (``fo.OwnerLayout(state_on_owners=...)``, :class:`~fisher_optax.OwnedStacksState`)
+  State kept on the matrices' owners -- the low-rank family's
+  (``fo.OwnerLayout(state_on_owners=...)``, :class:`~fisher_optax.OwnedStacksState`) and
+  the rotation family's (built under a mesh, :class:`~fisher_optax.RotateOwnedState`) --
   converts the same way to and from the parameters' layout (each matrix's statistics
-  from and to its slot of its size's stack; padding slots start at zero, as ``init``
-  leaves them) and between the owners of two device counts, e.g. for a checkpoint of a
-  run on 8 devices continued by an optimizer built under a mesh of 32. It also
-  continues as it is on any mesh or on one device.
+  from and to its slot of its size's stack, a matrix held transposed in its stack with
+  its sides swapped and its moments transposed; padding slots start as ``init`` leaves
+  them) and between the owners of two device counts, e.g. for a checkpoint of a run on 8
+  devices continued by an optimizer built under a mesh of 32, or on one device. Such a
+  state also continues as it is on any mesh or on one device.
 
   This is what a checkpoint needs when it moves between backends: ``stack_matrices``'
   default ``"auto"`` stacks on GPU and TPU and not on CPU. Restore it with the
@@ -426,7 +460,7 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
     # converted, then boxed as tx.init boxes its state for these parameters
     out = convert_state_layout(variables.unwrap(state), tx, variables.unwrap(params))
     return variables.rewrap_like(jax.eval_shape(lambda p: tx.init(p), params), out)
-  with routing.record_routed_inits() as found:
+  with routing.record_routed_inits() as found, rotate_owned.recording() as rotations:
     # a new function each call: a trace jax cached would not run the recording inits
     template = jax.eval_shape(lambda p: tx.init(p), params)
   if not found:
@@ -436,4 +470,8 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
   for rec in found:
     p, index = plan_routed(rec.params, rec.labels, rec.routed.dims)
     plans.append((rec, p, index))
-  return _convert(state, template, plans, ())
+  token = _ROTATIONS.set(rotations)
+  try:
+    return _convert(state, template, plans, ())
+  finally:
+    _ROTATIONS.reset(token)

@@ -285,12 +285,6 @@ def test_where_it_cannot_be_done_it_says_so():
     fo.convert_state_layout(_tx("galore", False, rank=4).init(params), tx, params)
 
 
-def _same(a, b):
-  return (jax.tree.structure(a) == jax.tree.structure(b)
-          and all(np.array_equal(np.asarray(x), np.asarray(y))
-                  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
-
-
 @pytest.mark.parametrize("name", registry.params(LOW_RANK, default=["galore"]))
 def test_convert_state_layout_moves_the_state_to_and_from_the_owners(name):
   """``fo.convert_state_layout`` between the state on the owners (4 x 2 mesh, split
@@ -307,29 +301,9 @@ def test_convert_state_layout_moves_the_state_to_and_from_the_owners(name):
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with jax.set_mesh(four):
     tx4 = _tx(name, _layout(param_specs=SPECS, state_placed=True))
-  per_leaf, stacked = _tx(name, False), _tx(name, False, stack_matrices=True)
-  params = _params()
-  assert _same(fo.convert_state_layout(per_leaf.init(params), tx, params), tx.init(params))
-  assert _same(fo.convert_state_layout(tx.init(params), per_leaf, params),
-               per_leaf.init(params))
-  p3, s3 = _run(per_leaf, 3)
-  want, _ = _run(per_leaf, 2, params=p3, state=s3, start=3)
-  on_owners = fo.convert_state_layout(s3, tx, params)
-  assert isinstance(_owned_state(on_owners), fo.OwnedStacksState)
-  assert _same(fo.convert_state_layout(on_owners, per_leaf, params), s3)
-  with jax.set_mesh(mesh):
-    got, _ = _run(tx, 2, mesh, params=p3, state=on_owners, start=3)
-  _close(got, want, f"{name}: per leaf -> owners")
-  with jax.set_mesh(mesh):
-    q3, t3 = _run(tx, 3, mesh)
-  q3, t3 = jax.device_get((q3, t3))
-  got, _ = _run(stacked, 2, params=q3, state=fo.convert_state_layout(t3, stacked, params),
-                start=3)
-  _close(got, want, f"{name}: owners -> stacked per leaf")
-  moved = fo.convert_state_layout(t3, tx4, params)
-  assert _owned_state(moved).load.shape == (4,)
-  got, _ = _run(tx4, 2, params=q3, state=moved, start=3)
-  _close(got, want, f"{name}: owners of 8 -> owners of 4")
+  util.check_state_conversion(name, tx, tx4, _tx(name, False),
+                              _tx(name, False, stack_matrices=True), mesh, _run, _close,
+                              _params(), _owned_state)
 
 
 @pytest.mark.slow

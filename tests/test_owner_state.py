@@ -616,3 +616,29 @@ def test_a_matrix_held_transposed_takes_bad_gradients_as_one_device_does(case):
     assert np.isfinite(np.asarray(got[k], np.float32)).all(), k
   util.assert_close_change(got, want, params(), case, 5e-3 if case == "bfloat16_params"
                            else 1e-3)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "shampoo" else
+                                               pytest.mark.slow) for n in ROTATION])
+def test_convert_state_layout_moves_the_rotation_state_to_and_from_the_owners(name):
+  """``fo.convert_state_layout`` between the rotation family's state on the owners (4 x 2
+  mesh, split given) and its per-leaf state: fresh ``init`` s convert exactly into each
+  other; per leaf -> owners -> per leaf returns the state unchanged; a per-leaf state
+  after 3 steps continued on the owners for 2, and an owned one continued per leaf or
+  on the owners of 4 devices, give the uninterrupted per-leaf run's updates. Shampoo's
+  32 x 16 matrices are held transposed in the 16 x 32 stack (their sides swapped, their
+  moments transposed); Eigen-Adam rotates the 4 x 64 matrix where its shards are."""
+  mesh = _mesh()
+  layout = fo.OwnerLayout(param_specs=SPECS, state_placed=True)
+  with jax.set_mesh(mesh):
+    tx = _tx(name, layout, equal=True)
+  four = jax.make_mesh((4, 1), ("fsdp", "tensor"), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(four):
+    tx4 = _tx(name, layout, equal=True)
+  kind = fo.RotateOwnedState
+  owned_of = lambda st: next((x for x in jax.tree.leaves(  # noqa: E731
+      st, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)), None)
+  per_leaf = _tx(name, False, equal=True)
+  util.check_state_conversion(name, tx, tx4, per_leaf, per_leaf, mesh, _run, _close,
+                              _params(), owned_of)

@@ -300,3 +300,40 @@ def apollo_bases(shape, rank, interval, seed=0):
     return f
 
   return basis
+
+
+def same_arrays(a, b) -> bool:
+  """Whether two trees have one structure and bitwise equal leaves."""
+  return (jax.tree.structure(a) == jax.tree.structure(b)
+          and all(np.array_equal(np.asarray(x), np.asarray(y))
+                  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+def check_state_conversion(name, tx, tx4, per_leaf, other, mesh, run, close, params, owned_of):
+  """``fo.convert_state_layout`` between a state kept on the owners (``tx``, built for
+  ``mesh``; ``owned_of`` finds that part of its state) and the per-leaf state
+  (``per_leaf``): fresh ``init`` s convert exactly into each other; per leaf -> owners ->
+  per leaf returns the state unchanged; a per-leaf state after 3 steps continued on the
+  owners for 2, and an owned one continued in the layout of ``other`` or on the owners
+  of 4 devices (``tx4``), give the uninterrupted per-leaf run's updates (``run`` and
+  ``close``: the test's own)."""
+  convert = fo.convert_state_layout
+  assert same_arrays(convert(per_leaf.init(params), tx, params), tx.init(params))
+  assert same_arrays(convert(tx.init(params), per_leaf, params), per_leaf.init(params))
+  p3, s3 = run(per_leaf, 3)
+  want, _ = run(per_leaf, 2, params=p3, state=s3, start=3)
+  on_owners = convert(s3, tx, params)
+  assert owned_of(on_owners) is not None
+  assert same_arrays(convert(on_owners, per_leaf, params), s3)
+  with jax.set_mesh(mesh):
+    got, _ = run(tx, 2, mesh, params=p3, state=on_owners, start=3)
+  close(got, want, f"{name}: per leaf -> owners")
+  with jax.set_mesh(mesh):
+    q3, t3 = run(tx, 3, mesh)
+  q3, t3 = jax.device_get((q3, t3))
+  got, _ = run(other, 2, params=q3, state=convert(t3, other, params), start=3)
+  close(got, want, f"{name}: owners -> the other layout")
+  moved = convert(t3, tx4, params)
+  assert owned_of(moved).load.shape == (4,)
+  got, _ = run(tx4, 2, params=q3, state=moved, start=3)
+  close(got, want, f"{name}: owners of 8 -> owners of 4")

@@ -242,8 +242,8 @@ def rotate(inner: optax.GradientTransformation, *, sides: str = "both", interval
                   dims=dims, owners=owners, owners_from_context=from_context,
                   transposable=bool(transposable))
   if owners is not None:
-    return rotate_owned.transformation(cfg)
-  return optax.GradientTransformation(cfg.init, cfg.update)
+    return rotate_owned.recorded(rotate_owned.transformation(cfg), cfg)
+  return rotate_owned.recorded(optax.GradientTransformation(cfg.init, cfg.update), cfg)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

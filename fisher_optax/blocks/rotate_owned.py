@@ -18,6 +18,7 @@ not work. Matrices rotated on one side that send less where their shards are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ import optax
 
 from fisher_optax import lifting, validation
 from fisher_optax.parallel import owners
+from fisher_optax.parallel import slots as slots_lib
 
 
 class RotateOwnedState(NamedTuple):
@@ -245,3 +247,159 @@ def transformation(rot) -> optax.GradientTransformation:
   """``rotate``'s transformation for its settings ``rot`` with ``owners`` set."""
   return optax.GradientTransformation(lambda params: init(rot, params),
                                       lambda u, s, p=None: update(rot, u, s, p))
+
+
+# ------------------------------------------------- conversion to and from the per-leaf state
+
+_RECORDERS: list = []
+
+
+@contextlib.contextmanager
+def recording():
+  """Within the block, every rotation's ``init`` appends ``(rot, tree)``, its settings
+  and the shapes of the tree it was given, to the yielded list: what
+  ``fisher_optax.convert_state_layout`` needs to take its state apart."""
+  found: list = []
+  _RECORDERS.append(found)
+  try:
+    yield found
+  finally:
+    _RECORDERS.remove(found)
+
+
+def recorded(tx: optax.GradientTransformation, rot) -> optax.GradientTransformation:
+  """``tx`` (a rotation's transformation, ``rot`` its settings), its ``init`` recorded
+  within :func:`recording`."""
+  def init_fn(params):
+    for found in _RECORDERS:
+      found.append((rot, jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)))
+    return tx.init(params)
+  return optax.GradientTransformation(init_fn, tx.update)
+
+
+class _Layout(NamedTuple):
+  lifted: Any
+  keys: list
+  groups: dict
+  slots: list
+  lengths: list
+  load: list
+  views: list  # as the stacks hold the leaves
+  turned: list  # per leaf: held transposed in its stack
+  here: list
+  where: dict
+  local_def: Any
+
+
+def _layout(rot, tree, devices: int) -> _Layout:
+  lifted = rot.lift(tree)
+  keys, groups, slot_lists, lengths, load = owned_plan(rot, lifted, devices)
+  views = owned_views(rot, lifted, devices)
+  return _Layout(lifted, keys, groups, slot_lists, lengths, load, views,
+                 [v.transpose != w.transpose for v, w in zip(lifted.views, views)],
+                 in_place(rot, lifted, devices),
+                 slots_lib.member_slots(groups, keys, slot_lists,
+                                        [v.num_matrices for v in lifted.views]),
+                 jax.tree.structure(local_tree(rot, tree, lifted, devices)))
+
+
+def _flip(x, turned: bool, m: int, n: int):
+  """A turned member's moment ``(..., m, n)`` in its stack's orientation, or back."""
+  if not turned or jnp.ndim(x) < 3 or m == n:
+    return x
+  if tuple(jnp.shape(x)[-2:]) not in ((m, n), (n, m)):
+    raise ValueError(f"a state array of shape {jnp.shape(x)} of a matrix held transposed "
+                     f"({m} x {n}) that is not one of its moments")
+  return jnp.swapaxes(x, -1, -2)
+
+
+def to_per_leaf(rot, state: RotateOwnedState, tree) -> Any:
+  """The per-leaf state of ``owners=None`` (``rot.init(tree)``'s structure) from a state
+  kept on the owners: each moved matrix's statistics, bases and moments taken from its
+  slot (a matrix held transposed in its stack gets its sides swapped back and its moments
+  transposed), the others and the counter from where they are. ``tree``: the parameters
+  the block's ``init`` was given (shapes suffice)."""
+  from fisher_optax.blocks.rotate import RotateSideState, RotateState
+  lay = _layout(rot, tree, state.load.shape[0])
+  if lay.keys != sorted(state.owned):
+    raise ValueError(f"stacks {sorted(state.owned)} in the state, {lay.keys} for these "
+                     "parameters")
+  treedef, other = lay.lifted.treedef, {"left": "right", "right": "left"}
+
+  def rows(x, i, flip=False):
+    v = lay.views[i]
+    r = _flip(x[jnp.asarray(lay.where[i][1], jnp.int32)], flip, v.m, v.n)
+    return r.reshape(lay.lifted.views[i].batch_shape + r.shape[1:])
+
+  def side(s):
+    def field(f):
+      def member(i, _):
+        k = lay.keys[lay.where[i][0]]
+        x = getattr(getattr(state.owned[k], other[s] if lay.turned[i] else s), f)[k]
+        return None if x is None else rows(x, i)
+      return slots_lib.to_leaves(getattr(getattr(state.local, s), f),
+                                 [getattr(getattr(state.owned[k], s), f) for k in lay.keys],
+                                 lay.keys, treedef, lay.local_def, lay.here, member)
+    return RotateSideState(*[field(f) for f in RotateSideState._fields])
+
+  def inner_member(i, owned):
+    g = lay.where[i][0]
+    return jax.tree.map(lambda x: rows(x, i, lay.turned[i]), owned[g][lay.keys[g]])
+
+  inner = slots_lib.to_leaves(state.local.inner_state,
+                              [state.owned[k].inner_state for k in lay.keys], lay.keys,
+                              treedef, lay.local_def, lay.here, inner_member)
+  return RotateState(count=state.local.count, left=side("left"), right=side("right"),
+                     inner_state=inner)
+
+
+def to_owned(rot, state: Any, tree, devices: int) -> RotateOwnedState:
+  """The inverse of :func:`to_per_leaf`: a per-leaf state brought to the owners of
+  ``devices`` devices, each moved matrix's state put in its slot, padding slots as
+  ``init`` leaves them."""
+  lay = _layout(rot, tree, devices)
+  treedef, other = lay.lifted.treedef, {"left": "right", "right": "left"}
+  template = {}
+  for k, n in zip(lay.keys, lay.lengths):
+    v = lay.views[lay.groups[k][0]]
+    stack = {k: jax.ShapeDtypeStruct((n, v.m, v.n), jnp.float32)}
+    template[k] = rot.init_lifted(lifting.Lifted(stack, None, what="rotate"))
+
+  def put(g, t, xs, members, moments=True):
+    rows = [_flip(jnp.reshape(x, (lay.lifted.views[i].num_matrices,)
+                              + jnp.shape(x)[len(lay.lifted.views[i].batch_shape):]),
+                  moments and lay.turned[i], lay.views[i].m, lay.views[i].n)
+            for i, x in zip(members, xs)]
+    rows = jnp.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+    return t.at[jnp.asarray(lay.slots[g], jnp.int32)].set(rows.astype(t.dtype))
+
+  sides = {}
+  for s in ("left", "right"):
+    local_f, owned_f = [], {k: [] for k in lay.keys}
+    for f in ("stats", "basis", "eig"):
+      per = {d: treedef.flatten_up_to(getattr(getattr(state, d), f)) for d in other}
+      local_f.append(lay.local_def.unflatten([e for e, h in zip(per[s], lay.here) if h]))
+      for g, k in enumerate(lay.keys):
+        t = getattr(getattr(template[k], s), f)[k]
+        members = lay.groups[k]
+        xs = [per[other[s] if lay.turned[i] else s][i] for i in members]
+        owned_f[k].append({k: None if t is None else put(g, t, xs, members, False)})
+    sides[s] = (local_f, owned_f)
+
+  def stack(g, t, entries):
+    members = lay.groups[lay.keys[g]]
+    return jax.tree.map(lambda t, *xs: put(g, t, xs, members), t,
+                        *[entries[i] for i in members])
+
+  local_inner, owned_inner = slots_lib.to_slots(
+      state.inner_state, [template[k].inner_state for k in lay.keys], lay.keys, treedef,
+      lay.local_def, lay.here, stack)
+  side_state = type(state.left)
+  owned = {k: type(state)(count=state.count,
+                          left=side_state(*sides["left"][1][k]),
+                          right=side_state(*sides["right"][1][k]), inner_state=inner)
+           for k, inner in zip(lay.keys, owned_inner)}
+  local = RotateLocalState(count=state.count, left=side_state(*sides["left"][0]),
+                           right=side_state(*sides["right"][0]), inner_state=local_inner)
+  return RotateOwnedState(owned=owned, local=local, load=jnp.asarray(lay.load, jnp.int32))
