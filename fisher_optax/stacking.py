@@ -23,6 +23,7 @@ owners under that layout (:func:`stacks_of`) are what
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import re
 from typing import Any, NamedTuple
@@ -34,7 +35,7 @@ import optax
 
 from fisher_optax import lifting, matrices, model_dims, owned_stacks, routing
 from fisher_optax.blocks import rotate_owned
-from fisher_optax.parallel import slots, variables
+from fisher_optax.parallel import owners, slots, variables
 
 
 class StackMatricesState(NamedTuple):
@@ -384,7 +385,8 @@ def _through_per_leaf(src: Any, tpl: Any, plans: list, where: str, kind: type, w
       mid = to_per_leaf(src) if isinstance(src, kind) else src
       if not isinstance(tpl, kind):
         return _convert(mid, tpl, plans, ())
-      out = to_owned(_convert(mid, jax.eval_shape(to_per_leaf, tpl), plans, ()), tpl)
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tpl)
+      out = to_owned(_convert(mid, jax.eval_shape(to_per_leaf, shapes), plans, ()), tpl)
       if not _same_layout(out, tpl):
         raise ValueError("the stacks' state differs from the target's")
       return out
@@ -440,8 +442,9 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
     state = fo.convert_state_layout(state, fo.racs(lr, stack_matrices=False), params)
 
   Args:
-    state: the optimizer state in either layout (arrays; under ``jax.jit`` tracers;
-      boxed in ``nnx.Variable`` s or Linen boxes as ``tx.init`` boxes it, or not).
+    state: the optimizer state in either layout (arrays, also placed on a mesh with
+      ``Explicit`` axes; under ``jax.jit`` tracers; boxed in ``nnx.Variable`` s or Linen
+      boxes as ``tx.init`` boxes it, or not).
     tx: the transformation that will continue it.
     params: the parameters (arrays or ``jax.ShapeDtypeStruct``, or a tree of boxes:
       the result is then boxed as ``tx.init`` boxes the state of these parameters).
@@ -472,6 +475,20 @@ def convert_state_layout(state: Any, tx: optax.GradientTransformation, params: A
     plans.append((rec, p, index))
   token = _ROTATIONS.set(rotations)
   try:
-    return _convert(state, template, plans, ())
+    # arrays on Explicit mesh axes are taken apart as on Auto ones (the same shards);
+    # place the result with fo.state_shardings
+    with _auto_context():
+      return _convert(owners.on_auto_axes(state), template, plans, ())
   finally:
     _ROTATIONS.reset(token)
+
+
+def _auto_context():
+  """Under a context mesh with ``Explicit`` axes, the same mesh with ``Auto`` axes (the
+  state's arrays are moved to it, :func:`fisher_optax.parallel.owners.on_auto_axes`),
+  else nothing."""
+  ctx = jax.sharding.get_abstract_mesh()
+  if ctx.empty or not getattr(ctx, "explicit_axes", ()):
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(ctx.update_axis_types(
+      {name: jax.sharding.AxisType.Auto for name in ctx.axis_names}))

@@ -306,6 +306,27 @@ def test_convert_state_layout_moves_the_state_to_and_from_the_owners(name):
                               _params(), _owned_state)
 
 
+def test_convert_state_layout_on_explicit_mesh_axes():
+  """A state on the owners of an ``Explicit`` 4 x 2 mesh (its arrays typed by their
+  shardings) converts to the per-leaf state under that mesh and outside it (to the same
+  values), and back; continued per leaf on one device it gives the uninterrupted run."""
+  mesh = _mesh(explicit=True)
+  with jax.set_mesh(mesh):
+    tx = _tx("galore", _layout(state_placed=True))
+  per_leaf, params = _tx("galore", False), _params()
+  want, _ = _run(per_leaf, 5)
+  with jax.set_mesh(mesh):
+    q3, t3 = _run(tx, 3, mesh)
+    inside = fo.convert_state_layout(t3, per_leaf, params)
+    assert isinstance(_owned_state(fo.convert_state_layout(inside, tx, params)),
+                      fo.OwnedStacksState)
+  outside = fo.convert_state_layout(t3, per_leaf, params)
+  assert util.same_arrays(jax.device_get(inside), jax.device_get(outside))
+  got, _ = _run(per_leaf, 2, params=jax.device_get(q3), state=jax.device_get(outside),
+                start=3)
+  _close(got, want, "explicit owners -> per leaf")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["galore", "alice"])
 def test_mixed_dtypes_a_batched_leaf_and_an_empty_leaf_on_the_owners(name):

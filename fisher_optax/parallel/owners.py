@@ -951,6 +951,26 @@ def sender(transport: Any) -> Callable[[jax.Array], jax.Array]:
   return send
 
 
+def as_auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """``mesh``'s devices and axes, every axis ``Auto``."""
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def on_auto_axes(tree: Any) -> Any:
+  """``tree`` with every concrete array placed on a mesh with ``Explicit`` axes moved to
+  the same mesh with ``Auto`` axes: the same shards on the same devices, no longer
+  typed by their sharding (so that indexing them needs no ``out_sharding``)."""
+  def one(x):
+    sh = getattr(x, "sharding", None)
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and isinstance(sh, jax.sharding.NamedSharding)
+        and getattr(sh.mesh, "explicit_axes", ())):
+      return jax.device_put(x, jax.sharding.NamedSharding(as_auto(sh.mesh), sh.spec))
+    return x
+  return jax.tree.map(one, tree)
+
+
 def _mesh_argument(mesh) -> dict:
   """``shard_map``'s ``mesh=``: none where a context mesh is set (inside the named
   optimizers' ``jax.sharding.auto_axes`` that is the ``Auto`` view of an ``Explicit``
@@ -959,8 +979,7 @@ def _mesh_argument(mesh) -> dict:
   if isinstance(mesh, jax.sharding.AbstractMesh) or not jax.sharding.get_abstract_mesh().empty:
     return {}
   if getattr(mesh, "explicit_axes", ()):  # no context mesh: arrays untyped, axes as Auto
-    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    mesh = as_auto(mesh)
   return dict(mesh=mesh)
 
 
@@ -1573,8 +1592,7 @@ def _constrain(x: jax.Array, spec: P, mesh) -> jax.Array:
   """``with_sharding_constraint`` to ``spec`` on the context mesh, else on ``mesh`` (as
   ``Auto`` axes where it has ``Explicit`` ones)."""
   if isinstance(mesh, jax.sharding.Mesh) and getattr(mesh, "explicit_axes", ()):
-    mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    mesh = as_auto(mesh)
   ctx = jax.sharding.get_abstract_mesh()
   if not ctx.empty:
     return jax.lax.with_sharding_constraint(x, spec)
