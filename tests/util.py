@@ -317,7 +317,12 @@ def check_state_conversion(name, tx, tx4, per_leaf, other, mesh, run, close, par
   owners for 2, and an owned one continued in the layout of ``other`` or on the owners
   of 4 devices (``tx4``), give the uninterrupted per-leaf run's updates (``run`` and
   ``close``: the test's own)."""
-  convert = fo.convert_state_layout
+  def convert(state, target, params):  # each array once: a state is donated to the step
+    out = fo.convert_state_layout(state, target, params)
+    arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+    assert len({id(x) for x in arrays}) == len(arrays), "an array twice in the state"
+    return out
+
   assert same_arrays(convert(per_leaf.init(params), tx, params), tx.init(params))
   assert same_arrays(convert(tx.init(params), per_leaf, params), per_leaf.init(params))
   p3, s3 = run(per_leaf, 3)

@@ -396,7 +396,7 @@ def to_owned(rot, state: Any, tree, devices: int) -> RotateOwnedState:
       state.inner_state, [template[k].inner_state for k in lay.keys], lay.keys, treedef,
       lay.local_def, lay.here, stack)
   side_state = type(state.left)
-  owned = {k: type(state)(count=state.count,
+  owned = {k: type(state)(count=jnp.array(state.count, copy=True),  # a buffer of its own
                           left=side_state(*sides["left"][1][k]),
                           right=side_state(*sides["right"][1][k]), inner_state=inner)
            for k, inner in zip(lay.keys, owned_inner)}

@@ -79,7 +79,8 @@ def to_slots(src: Any, owned: list, keys: list, treedef: Any, local_def: Any, he
   Returns ``(local, [group nodes])``: at a statistic, the tree ``local_def`` of the
   entries of the leaves that stay, and per group ``{key: stack(g, template, entries)}``
   (``entries``: every leaf's, in ``treedef`` order); elsewhere the walk over the
-  children, counters and keys copied (cast to the template's dtype)."""
+  children, counters and keys copied (cast to the template's dtype, one copy per
+  group)."""
   if is_statistic(owned, keys):
     entries = treedef.flatten_up_to(src)
     local = local_def.unflatten([e for e, h in zip(entries, here) if h])
@@ -90,7 +91,8 @@ def to_slots(src: Any, owned: list, keys: list, treedef: Any, local_def: Any, he
       if tuple(jax.numpy.shape(o)) != tuple(jax.numpy.shape(src)):
         raise ValueError(f"an array of shape {jax.numpy.shape(src)} where the stacks' "
                          f"state has one of shape {tuple(o.shape)}")
-    return src, [jax.numpy.asarray(src, o.dtype) for o in owned]
+    # a copy per group: one buffer in two places of a state cannot be donated
+    return src, [jax.numpy.array(src, dtype=o.dtype, copy=True) for o in owned]
   parts = [to_slots(c, [o[j] for o in owned_kids], keys, treedef, local_def, here, stack)
            for j, c in enumerate(kids)]
   return (tdef.unflatten([a for a, _ in parts]),
