@@ -23,7 +23,8 @@ Per matrix the update is the chain's (its blocks map their per-matrix equations 
 stack), random draws included: each matrix keeps the index its draws are named by
 (:mod:`fisher_optax.rng`, its place in the tree), wherever its slot is. What changes is
 the state's layout. Padding slots hold zero matrices, which every block takes as a zero
-gradient.
+gradient. A state of either layout converts to the other (:func:`to_per_leaf`,
+:func:`to_owned`, as ``fisher_optax.convert_state_layout`` uses them).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ settings), run on each size's stack by itself: the updates are those of ``owners
 couples all of them, a global-norm clip say, sees one size at a time). A device that owns
 none of a size's matrices runs that size's step on no matrix, so padding costs memory,
 not work. Matrices rotated on one side that send less where their shards are
-(:func:`in_place`) keep a per-leaf state laid out on their unrotated side.
+(:func:`in_place`) keep a per-leaf state laid out on their unrotated side. A state of
+either layout converts to the other (:func:`to_per_leaf`, :func:`to_owned`, as
+``fisher_optax.convert_state_layout`` uses them).
 """
 
 from __future__ import annotations
