@@ -10,7 +10,6 @@ fallback (``optax.partition``). How a routed leaf becomes ``m x n`` matrices is
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fisher_optax import init_records
 from fisher_optax.lifting import cast_like
 from fisher_optax.parallel import owners, variables
 from fisher_optax.matrices import (DimsRule, DimsSpec, MatrixDims, NotAMatrix, Unclassified,
@@ -255,22 +255,16 @@ class RoutedInit:
   state: Any
 
 
-_RECORDERS: list = []
+_ROUTED_INITS = init_records.Records()
 
 
-@contextlib.contextmanager
 def record_routed_inits():
   """Within the block, every routed transformation's ``init`` -- however deeply it sits
   in ``optax.chain``, ``optax.inject_hyperparams``, ``optax.MultiSteps``,
   ``optax.partition``... -- appends a :class:`RoutedInit` to the yielded list. This is
   how :func:`fisher_optax.describe` sees through wrappers whose closures hide their
   inner transformations: it traces ``tx.init`` with ``jax.eval_shape`` in this block."""
-  found: list = []
-  _RECORDERS.append(found)
-  try:
-    yield found
-  finally:
-    _RECORDERS.remove(found)
+  return _ROUTED_INITS.recording()
 
 
 def _shape_struct(tree: Any) -> Any:
@@ -317,8 +311,8 @@ def route(structured: optax.GradientTransformation, *, mask: Any, dims: DimsSpec
     _warn_unclassified(params, dims, labels(params), (info or {}).get("name", "structured"),
                        stacklevel)
     state = tx.init(params)
-    for found in _RECORDERS:
-      found.append(RoutedInit(out, _shape_struct(params), labels(params), _shape_struct(state)))
+    _ROUTED_INITS.add(lambda: RoutedInit(out, _shape_struct(params), labels(params),
+                                         _shape_struct(state)))
     return state
 
   name = (info or {}).get("name", "structured")

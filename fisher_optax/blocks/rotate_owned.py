@@ -20,7 +20,6 @@ either layout converts to the other (:func:`to_per_leaf`, :func:`to_owned`, as
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import lifting, validation
+from fisher_optax import init_records, lifting, validation
 from fisher_optax.parallel import owners
 from fisher_optax.parallel import slots as slots_lib
 
@@ -253,29 +252,22 @@ def transformation(rot) -> optax.GradientTransformation:
 
 # ------------------------------------------------- conversion to and from the per-leaf state
 
-_RECORDERS: list = []
+_INITS = init_records.Records()
 
 
-@contextlib.contextmanager
 def recording():
   """Within the block, every rotation's ``init`` appends ``(rot, tree)``, its settings
   and the shapes of the tree it was given, to the yielded list: what
   ``fisher_optax.convert_state_layout`` needs to take its state apart."""
-  found: list = []
-  _RECORDERS.append(found)
-  try:
-    yield found
-  finally:
-    _RECORDERS.remove(found)
+  return _INITS.recording()
 
 
 def recorded(tx: optax.GradientTransformation, rot) -> optax.GradientTransformation:
   """``tx`` (a rotation's transformation, ``rot`` its settings), its ``init`` recorded
   within :func:`recording`."""
   def init_fn(params):
-    for found in _RECORDERS:
-      found.append((rot, jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)))
+    _INITS.add(lambda: (rot, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)))
     return tx.init(params)
   return optax.GradientTransformation(init_fn, tx.update)
 
@@ -379,7 +371,7 @@ def to_owned(rot, state: Any, tree, devices: int) -> RotateOwnedState:
   sides = {}
   for s in ("left", "right"):
     local_f, owned_f = [], {k: [] for k in lay.keys}
-    for f in ("stats", "basis", "eig"):
+    for f in type(state.left)._fields:
       per = {d: treedef.flatten_up_to(getattr(getattr(state, d), f)) for d in other}
       local_f.append(lay.local_def.unflatten([e for e, h in zip(per[s], lay.here) if h]))
       for g, k in enumerate(lay.keys):
