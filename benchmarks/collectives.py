@@ -432,6 +432,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                max_precond_dim)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
   if axis_types == "boxes" and step_time._ours(name):  # optax's own read no boxes
     state, s_sh = _boxed_init(tx, params, specs, mesh)
   elif axis_types == "arrays" and step_time._ours(name):
@@ -445,8 +447,9 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
   else:
     s_sh = fo.state_shardings(tx, params, specs, mesh)
     state = jax.eval_shape(tx.init, params)
-  with_sh = lambda t, sh: jax.tree.map(  # noqa: E731
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
+    if axis_types == "explicit":  # init reads the split from the types, as a sharded
+      with jax.set_mesh(mesh):    # init under the mesh does
+        state = jax.eval_shape(tx.init, with_sh(params, p_sh))
   step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh),
                  donate_argnums=(1,) if donate else ())
   with jax.set_mesh(mesh):  # the context mesh, as a sharded program runs

@@ -351,7 +351,8 @@ def to_owned(state: tuple, template: OwnedStacksState, tree: Any,
 def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = (),
                  devices: int, dims: matrices.DimsSpec = None, param_specs: Any = None,
                  mesh: Any = None, rank: Optional[int] = None, summed: float = 3.0,
-                 asked: bool = True) -> optax.GradientTransformationExtraArgs:
+                 asked: bool = True, guess: bool = True
+                 ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(*blocks(dims), *tail)`` with the blocks' state on the owners of
   ``devices`` devices (module docstring).
 
@@ -365,10 +366,11 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     devices: ``P``, the device count the stacks are padded for.
     dims: the leaves' matrix axes.
     param_specs: the parameters' ``PartitionSpec`` s where known when the optimizer is
-      built (``OwnerLayout(param_specs=...)``); elsewhere the split is guessed from the
-      shapes (:func:`_split_smaller`). Only what the optimizer was built with and the
-      shapes decide the state's structure, so that every ``init`` (``fo.state_shardings``'
-      abstract one among them) gives the same.
+      built (``OwnerLayout(param_specs=...)``); elsewhere ``init`` reads the split from
+      the parameters' types under a context mesh with ``Explicit`` axes
+      (``fo.state_shardings`` traces its abstract ``init`` with those types), else
+      guesses it from the shapes (:func:`_split_smaller`) where ``guess``. What the
+      optimizer was built with, the shapes and that split decide the state's structure.
     mesh: the mesh the optimizer is built for, if known (its axes' sizes).
     rank: the chain's rank ``r`` (``None``: full), for the model of what each matrix
       sends where its shards are (:func:`_moving_sizes`).
@@ -376,6 +378,8 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
       over a split side (2 for GaLore; 3 where a compensation gathers ``sigma`` again).
     asked: kept on the owners because asked for (``OwnerLayout(state_on_owners=True)``),
       also for parameters ``init`` sees replicated.
+    guess: where neither ``param_specs`` nor the parameters' types at ``init`` give the
+      split, guess it (``False``: the state is then laid out as the parameters).
 
   ``init`` decides which sizes move (:func:`_moving_sizes`) and the state says it (the
   keys of ``owned``), so that every update follows the layout its state has. Where
@@ -400,7 +404,11 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
   known = mesh if sizes and owners._mesh_size(mesh) == devices else None
 
   def init_fn(params):
-    split = _init_splits(params, dims, devices, param_specs, sizes, known)
+    # the split as given, else as the parameters' types show it on Explicit axes
+    specs = owners.typed_specs(params) if param_specs is None else param_specs
+    if specs is None and not guess:
+      return whole.init(params)
+    split = _init_splits(params, dims, devices, specs, sizes, known)
     p = _plan(params, dims, devices, split, rank, summed)
     if not p.keys or (not asked and owners.visibly_replicated(params)):
       # nothing moves (or data parallelism on Explicit axes): the state as the parameters

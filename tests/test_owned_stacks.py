@@ -68,22 +68,24 @@ def _owned_state(state):
 
 
 _EQUAL = [pytest.param(name, how, marks=() if (name, how) in {
-    ("galore", "given"), ("alice", "explicit")} else pytest.mark.slow)
-          for name in LOW_RANK for how in ("given", "explicit")]
+    ("galore", "given"), ("alice", "explicit"), ("fira", "default")} else pytest.mark.slow)
+          for name in LOW_RANK for how in ("given", "explicit", "default")]
 
 
 @pytest.mark.parametrize("name,how", _EQUAL)
 def test_state_on_owners_gives_the_single_device_updates(name, how):
   """5 steps (refreshes at 1, 3, 5) on the 4 x 2 mesh, the split given on ``Auto`` axes
-  or read from ``Explicit`` ones, the state on its owners: the updates of one device with
+  or read from ``Explicit`` ones (asked for, or by default: ``init`` reads the split
+  from the parameters' types), the state on its owners: the updates of one device with
   the state per leaf, random draws included (Alice's and Alice-0's switching); the
   parameters keep their shardings; the moved matrices' stacks are split over the mesh on
   their slots; and on one device the same state gives those updates too."""
-  explicit = how == "explicit"
+  explicit = how != "given"
   mesh = _mesh(explicit)
   want, _ = _run(_tx(name, False), 5)
   with jax.set_mesh(mesh):
-    tx = _tx(name, _layout(param_specs=None if explicit else SPECS, state_placed=True))
+    tx = (_tx(name, "auto") if how == "default" else
+          _tx(name, _layout(param_specs=None if explicit else SPECS, state_placed=True)))
   alone, _ = _run(tx, 5)
   _close(alone, want, f"{name}, owned state on one device")
   with jax.set_mesh(mesh):
@@ -264,6 +266,19 @@ def test_built_under_a_mesh_the_state_is_on_owners_where_that_sends_less():
     assert isinstance(_owned_state(tx.init(sharded)), fo.OwnedStacksState)
     replicated = jax.device_put(params, NamedSharding(one_axis, P()))
     assert jax.tree.structure(tx.init(replicated)) == per_leaf
+  # on Explicit axes of several, init reads the split from the parameters' types; an
+  # init that cannot see it (untyped shapes outside the mesh) keeps the per-leaf state,
+  # and fo.state_shardings traces init with the types its specs give
+  two_axes = _mesh(explicit=True)
+  with jax.set_mesh(two_axes):
+    tx = _tx("galore", "auto")
+    sharded = jax.device_put(params, {k: NamedSharding(two_axes, v) for k, v in SPECS.items()})
+    state = tx.init(sharded)
+    assert sorted(_owned_state(state).owned) == ["16x16", "16x32"]
+    assert jax.tree.structure(tx.init(params)) == per_leaf  # replicated
+  assert jax.tree.structure(jax.eval_shape(tx.init, params)) == per_leaf
+  assert (jax.tree.structure(fo.state_shardings(tx, params, SPECS, two_axes))
+          == jax.tree.structure(state))
 
 
 def test_where_it_cannot_be_done_it_says_so():

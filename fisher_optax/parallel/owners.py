@@ -115,11 +115,12 @@ class OwnerLayout:
       matrices' bytes per update instead of summing ``U^T G`` over a split side or
       gathering the basis ``U`` at every step. ``"auto"``
       (default): where the optimizer is built with a mesh of several devices (the
-      context mesh, or ``mesh``), the split given in ``param_specs`` or the mesh of one
-      axis (FSDP's split guessed), and ``init`` sees a model of what each way sends
-      move some of the matrices (``fisher_optax.owned_stacks``); elsewhere, and for
-      parameters visibly replicated over ``Explicit`` axes at ``init``, the state is
-      laid out as the parameters. ``True``: asked for (an error without a mesh);
+      context mesh, or ``mesh``), the split known (given in ``param_specs``, or read by
+      ``init`` from the parameters' types on ``Explicit`` axes) or the mesh of one axis
+      (FSDP's split guessed), and a model of what each way sends moves some of the
+      matrices (``fisher_optax.owned_stacks``); elsewhere, and for parameters visibly
+      replicated over ``Explicit`` axes at ``init``, the state is laid out as the
+      parameters. ``True``: asked for (an error without a mesh);
       ``False``: off.
   """
   mesh: Any = None
@@ -264,6 +265,18 @@ def _sharded(tree: Any, mesh) -> bool:
       if any(n in explicit for n in names if n is not None):
         return True
   return False
+
+
+def typed_specs(params: Any) -> Optional[Any]:
+  """The parameters' ``PartitionSpec`` s as their types give them where ``init`` runs
+  under a context mesh with ``Explicit`` axes over which some leaf is sharded (a tree
+  like ``params``); ``None`` where the types say nothing (no such mesh, ``Auto`` axes,
+  or no leaf sharded over its explicit axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not getattr(mesh, "explicit_axes", ()) or not _sharded(params, mesh):
+    return None
+  return jax.tree.map(
+      lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None), params)
 
 
 def as_layout(setting: Any) -> Optional[OwnerLayout]:

@@ -197,9 +197,29 @@ def state_partition_specs(tx, params: Any, param_specs: Any, *, dims: matrices.D
       built with (its ``dims=``), else the last two axes.
     mesh: if given, mesh axes that do not divide a dimension are dropped.
   """
-  state_shapes = jax.eval_shape(tx.init, params)
+  if getattr(mesh, "explicit_axes", ()):
+    # on Explicit axes init reads the parameters' split from their types (the low-rank
+    # family's state on the owners): traced here with those types, as a sharded init is
+    with jax.set_mesh(mesh):
+      state_shapes = jax.eval_shape(tx.init, _typed(params, param_specs, mesh))
+  else:
+    state_shapes = jax.eval_shape(tx.init, params)
   owned = owned_specs(tx, state_shapes, params, param_specs, dims=dims, mesh=mesh)
   return jax.tree.map(lambda o: o.spec, owned)
+
+
+def _typed(params: Any, param_specs: Any, mesh: Mesh) -> Any:
+  """``params`` as shapes whose types carry their specs on ``mesh`` (a spec ``None``:
+  replicated)."""
+  leaves, treedef = jax.tree.flatten(params)
+  specs = jax.tree.leaves(param_specs, is_leaf=lambda x: x is None or isinstance(x, P))
+  if len(specs) != len(leaves):
+    raise ValueError(f"param_specs has {len(specs)} leaves, the parameters {len(leaves)}: "
+                     "give one PartitionSpec (or None) per parameter")
+  return treedef.unflatten([
+      jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype,
+                           sharding=NamedSharding(mesh, P() if s is None else s))
+      for x, s in zip(leaves, specs)])
 
 
 def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
