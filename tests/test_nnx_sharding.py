@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import fisher_optax as fo
 from fisher_optax.parallel import sharding as fo_sharding
-from tests import registry
+from tests import registry, util
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
 
@@ -240,3 +240,61 @@ def test_param_specs_from_the_recipe_reach_the_owner_layout(monkeypatch):
   plain = trained(lambda m: "auto")
   for x, y in zip(jax.tree.leaves(given), jax.tree.leaves(plain)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+def test_on_explicit_axes_the_low_rank_state_is_on_the_owners():
+  """On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default), FSDP x tensor: the
+  recipe (optimizer built and ``nnx.Optimizer`` created under the mesh) keeps GaLore's
+  state on the owners, ``init`` reading each kernel's split from its type: the two
+  sizes' stacks split over the mesh on their slots, and four steps (refreshes at 1 and
+  3) give one device's parameters. The loss is elementwise in the kernels, since a
+  matrix product over a sharded contracting axis needs an ``out_sharding`` on these
+  axes."""
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+  assert mesh.explicit_axes
+
+  class Layers(nnx.Module):
+    def __init__(self, named, rngs):
+      init = nnx.initializers.normal(0.3)
+      kernel = lambda names: nnx.with_partitioning(init, names) if named else init  # noqa: E731
+      self.sq = nnx.Linear(16, 16, kernel_init=kernel(("fsdp", "tensor")), use_bias=False,
+                           rngs=rngs)
+      self.down = nnx.Linear(32, 16, kernel_init=kernel(("tensor", "fsdp")), use_bias=False,
+                             rngs=rngs)
+      for i in range(10):
+        setattr(self, f"up{i}", nnx.Linear(16, 32, kernel_init=kernel(("fsdp", "tensor")),
+                                           use_bias=False, rngs=rngs))
+
+  def loss(m, scale):
+    kernels = [m.sq, m.down] + [getattr(m, f"up{i}") for i in range(10)]
+    return sum(jnp.sum(jnp.sin(k.kernel[...] * scale) ** 2) for k in kernels)
+
+  def trained(on_mesh):
+    @nnx.jit
+    def create():
+      model = Layers(on_mesh, nnx.Rngs(0))
+      tx = fo.galore(1e-2, rank=8, interval=2, stack_matrices=False)
+      return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, scale):
+      opt.update(model, nnx.grad(loss)(model, scale))
+
+    model, opt = create()
+    for t in range(4):
+      step(model, opt, jnp.float32(3.0 + 0.1 * t))
+    return nnx.as_pure(nnx.state(model, nnx.Param)), opt
+
+  want, _ = trained(False)
+  with jax.set_mesh(mesh):
+    got, opt = trained(True)
+  owned = [x for x in jax.tree.leaves(opt.opt_state, is_leaf=lambda x: isinstance(
+      x, fo.OwnedStacksState)) if isinstance(x, fo.OwnedStacksState)]
+  assert len(owned) == 1 and sorted(owned[0].owned) == ["16x16", "16x32"], owned
+  stacks = [x for x in jax.tree.leaves(owned[0].owned) if x.ndim >= 3]
+  assert stacks and all(x.sharding.spec == P(("fsdp", "tensor")) or
+                        tuple(x.sharding.spec)[0] == ("fsdp", "tensor") for x in stacks)
+  start = nnx.as_pure(nnx.state(Layers(False, nnx.Rngs(0)), nnx.Param))
+  keyed = lambda t: {jax.tree_util.keystr(k): x  # noqa: E731
+                     for k, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+  util.assert_close_change(keyed(got), keyed(want), keyed(start), "galore, Explicit axes")
