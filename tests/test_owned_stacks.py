@@ -279,6 +279,10 @@ def test_built_under_a_mesh_the_state_is_on_owners_where_that_sends_less():
   assert jax.tree.structure(jax.eval_shape(tx.init, params)) == per_leaf
   assert (jax.tree.structure(fo.state_shardings(tx, params, SPECS, two_axes))
           == jax.tree.structure(state))
+  # an abstract init of shapes typed on the mesh, outside its context, reads them too
+  typed = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(two_axes, SPECS[k]))
+           for k, x in params.items()}
+  assert jax.tree.structure(jax.eval_shape(tx.init, typed)) == jax.tree.structure(state)
 
 
 def test_where_it_cannot_be_done_it_says_so():

@@ -268,15 +268,24 @@ def _sharded(tree: Any, mesh) -> bool:
 
 
 def typed_specs(params: Any) -> Optional[Any]:
-  """The parameters' ``PartitionSpec`` s as their types give them where ``init`` runs
-  under a context mesh with ``Explicit`` axes over which some leaf is sharded (a tree
-  like ``params``); ``None`` where the types say nothing (no such mesh, ``Auto`` axes,
-  or no leaf sharded over its explicit axes)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not getattr(mesh, "explicit_axes", ()) or not _sharded(params, mesh):
+  """The parameters' ``PartitionSpec`` s as their types give them on a mesh with
+  ``Explicit`` axes (a tree like ``params``; the context mesh need not be set: a jitted
+  ``init`` of arrays placed on such a mesh sees their shardings in their types), where
+  some leaf is sharded over such an axis; ``None`` where the types say nothing (``Auto``
+  axes, or no leaf sharded over an explicit axis)."""
+  def spec(x):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ())
+    entries = tuple(getattr(sharding, "spec", None) or ())
+    named = {n for e in entries for n in (e if isinstance(e, tuple) else (e,))
+             if n is not None}
+    return getattr(sharding, "spec", None), bool(named & explicit)
+
+  read = jax.tree.map(spec, params)
+  is_read = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)  # noqa: E731
+  if not any(s for _, s in jax.tree.leaves(read, is_leaf=is_read)):
     return None
-  return jax.tree.map(
-      lambda x: getattr(getattr(jax.typeof(x), "sharding", None), "spec", None), params)
+  return jax.tree.map(lambda r: r[0], read, is_leaf=is_read)
 
 
 def as_layout(setting: Any) -> Optional[OwnerLayout]:
