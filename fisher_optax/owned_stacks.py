@@ -224,14 +224,13 @@ def _slot_indices(p: _Plan, g: int, firsts: list) -> jax.Array:
   return jnp.asarray(table, jnp.uint32)
 
 
-def _init_splits(params: Any, dims: matrices.DimsSpec, devices: int, param_specs: Any,
+def _init_splits(params: Any, dims: matrices.DimsSpec, devices: int, given: dict,
                  sizes: Optional[dict], mesh: Any) -> list:
-  """Per leaf of ``params``, :func:`_split_smaller` from the specs given when the
-  optimizer was built (``param_specs``), else the split guessed on ``mesh``."""
+  """Per leaf of ``params``, :func:`_split_smaller` from the specs known (``given``,
+  ``{path: PartitionSpec}``), else the split guessed on ``mesh``."""
   leaves, treedef = jax.tree.flatten(params)
   views = [matrices.matrix_view(jnp.shape(x), d, what="owned_stacks") for x, d in zip(
       leaves, treedef.flatten_up_to(model_dims.resolve_dims(dims, params)))]
-  given = {} if param_specs is None else owners.path_specs(param_specs)
   return [_split_smaller(v, given.get(k), devices, sizes, mesh)
           for v, k in zip(views, owners.leaf_keys(params))]
 
@@ -403,12 +402,25 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
   # it has P devices
   known = mesh if sizes and owners._mesh_size(mesh) == devices else None
 
+  # the split the boxes of a first init named (Flax's recipes on Auto axes), for the
+  # inits that see plain arrays (the update's check of its state, fo.state_shardings),
+  # as the owner layout keeps those boxes for the update
+  learned: list = []
+
   def init_fn(params):
-    # the split as given, else as the parameters' types show it on Explicit axes
+    # the split as given, else as the parameters' types show it on Explicit axes, else
+    # (where it is not guessed) as the boxes they came in name it on the mesh
     specs = owners.typed_specs(params) if param_specs is None else param_specs
-    if specs is None and not guess:
-      return whole.init(params)
-    split = _init_splits(params, dims, devices, specs, sizes, known)
+    given = None if specs is None else owners.path_specs(specs)
+    if given is None and not guess:
+      boxed = owners.boxed_specs(params, mesh)
+      if boxed is not None:
+        learned[:] = [owners.path_specs(boxed)]
+      if not learned:
+        return whole.init(params)
+      # a leaf the boxes did not name is taken as whole (it stays), never guessed
+      given = {k: learned[0].get(k, P()) for k in owners.leaf_keys(params)}
+    split = _init_splits(params, dims, devices, given or {}, sizes, known)
     p = _plan(params, dims, devices, split, rank, summed)
     if not p.keys or (not asked and owners.visibly_replicated(params)):
       # nothing moves (or data parallelism on Explicit axes): the state as the parameters

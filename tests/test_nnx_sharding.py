@@ -242,16 +242,17 @@ def test_param_specs_from_the_recipe_reach_the_owner_layout(monkeypatch):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
-def test_on_explicit_axes_the_low_rank_state_is_on_the_owners():
-  """On a mesh of ``Explicit`` axes (``jax.make_mesh``'s default), FSDP x tensor: the
-  recipe (optimizer built and ``nnx.Optimizer`` created under the mesh) keeps GaLore's
-  state on the owners, ``init`` reading each kernel's split from its type: the two
-  sizes' stacks split over the mesh on their slots, and four steps (refreshes at 1 and
-  3) give one device's parameters. The loss is elementwise in the kernels, since a
-  matrix product over a sharded contracting axis needs an ``out_sharding`` on these
-  axes."""
-  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
-  assert mesh.explicit_axes
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_on_two_axes_the_low_rank_state_is_on_the_owners(axis_type):
+  """On an FSDP x tensor mesh of ``Explicit`` axes (``jax.make_mesh``'s default) or of
+  ``Auto`` ones: the recipe (optimizer built and ``nnx.Optimizer`` created under the
+  mesh) keeps GaLore's state on the owners, ``init`` reading each kernel's split from
+  its type (``Explicit``) or from the names of its box (``Auto``): the two sizes' stacks
+  split over the mesh on their slots, and four steps (refreshes at 1 and 3) give one
+  device's parameters. The loss is elementwise in the kernels, since a matrix product
+  over a sharded contracting axis needs an ``out_sharding`` on ``Explicit`` axes."""
+  kind = {"explicit": jax.sharding.AxisType.Explicit, "auto": jax.sharding.AxisType.Auto}
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(kind[axis_type],) * 2)
 
   class Layers(nnx.Module):
     def __init__(self, named, rngs):
@@ -297,4 +298,4 @@ def test_on_explicit_axes_the_low_rank_state_is_on_the_owners():
   start = nnx.as_pure(nnx.state(Layers(False, nnx.Rngs(0)), nnx.Param))
   keyed = lambda t: {jax.tree_util.keystr(k): x  # noqa: E731
                      for k, x in jax.tree_util.tree_flatten_with_path(t)[0]}
-  util.assert_close_change(keyed(got), keyed(want), keyed(start), "galore, Explicit axes")
+  util.assert_close_change(keyed(got), keyed(want), keyed(start), f"galore, {axis_type} axes")

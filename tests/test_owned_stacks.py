@@ -279,6 +279,11 @@ def test_built_under_a_mesh_the_state_is_on_owners_where_that_sends_less():
   assert jax.tree.structure(jax.eval_shape(tx.init, params)) == per_leaf
   assert (jax.tree.structure(fo.state_shardings(tx, params, SPECS, two_axes))
           == jax.tree.structure(state))
+  # on Auto axes of several the boxes' names are read at init (tests/test_nnx_sharding.py),
+  # except where the matrices are stacked: there it is decided when built, stacked
+  with jax.set_mesh(_mesh()):
+    assert _tx("galore", "auto").info["owned_devices"] == 8
+    assert _tx("galore", "auto", stack_matrices=True).info["owned_devices"] is None
   # an abstract init of shapes typed on the mesh, outside its context, reads them too
   typed = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(two_axes, SPECS[k]))
            for k, x in params.items()}

@@ -181,7 +181,7 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
   decay = [] if weight_decay is None else [optax.add_decayed_weights(weight_decay)]
   dims = model_dims.as_dims(dims)  # optax.contrib.MuonDimensionNumbers trees read here
   stack = stacking.resolve(stack)
-  devices = _owned_devices(owner, owned, name)
+  devices = _owned_devices(owner, owned, name, stack)
   if devices:  # the chain's state on the owners (fisher_optax.owned_stacks), no stacks
     stack = False
     layout = owners.as_layout(owner)
@@ -215,13 +215,15 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
                                  owned_devices=devices))
 
 
-def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
+def _owned_devices(owner, owned: bool, name: str, stack: bool = False) -> Optional[int]:
   """The device count the chain's state may be kept on the owners for
   (``OwnerLayout.state_on_owners``, by default ``"auto"``): the size of the layout's
   mesh, else of the context mesh when the optimizer is built; ``None`` where it is off,
   or for an optimizer that cannot keep it (``owned``: the low-rank family), or with no
-  mesh of several devices to pad for, or (by default) where the split would be guessed
-  on a mesh of several axes. Asked for (``True``) where it cannot be, it raises."""
+  mesh of several devices to pad for, or (by default) where the split is not known when
+  built on ``Auto`` axes of several and the matrices are stacked (``stack``); without
+  stacking ``init`` then reads it from the parameters' boxes, else keeps the state as
+  the parameters. Asked for (``True``) where it cannot be, it raises."""
   layout = owners.as_layout(owner)
   if layout is None or layout.state_on_owners is False:
     return None
@@ -238,13 +240,15 @@ def _owned_devices(owner, owned: bool, name: str) -> Optional[int]:
   devices = owners.state_devices(layout)
   if devices == owners.AUTO:
     devices = owners.build_devices()
-  if not asked and not _may_guess(layout) and not getattr(
+  if stack and not asked and not _may_guess(layout) and not getattr(
       layout.mesh or jax.sharding.get_abstract_mesh(), "explicit_axes", ()):
-    # the split guessed on a mesh of several axes (tensor parallelism): a wrong guess
-    # reshuffles every moved matrix (tiny LLaMA, FSDP 4 x TP 2 on 8 CPU devices, the
-    # split guessed: Alice 0.23x of the parameter bytes per step on the owners, 0.20x
-    # laid out as the parameters; given: 0.20x against 0.26x). On Explicit axes
-    # init reads the split from the parameters' types instead.
+    # the split not known when built, on Auto axes of several (tensor parallelism):
+    # init reads it from the boxes the parameters come in (Flax's recipes), else the
+    # state stays as the parameters (a wrong guess reshuffles every moved matrix: tiny
+    # LLaMA, FSDP 4 x TP 2 on 8 CPU devices, Alice 0.23x of the parameter bytes per
+    # step on the owners with the split guessed, 0.20x laid out as the parameters,
+    # 0.20x on the owners with it given). Where the matrices are stacked (GPU, TPU)
+    # that per-leaf state is the stacked one, so it is decided here: stacked.
     return None
   if not devices:
     if not asked:

@@ -288,6 +288,31 @@ def typed_specs(params: Any) -> Optional[Any]:
   return jax.tree.map(lambda r: r[0], read, is_leaf=is_read)
 
 
+def boxed_specs(params: Any, mesh: Any) -> Optional[Any]:
+  """The parameters' ``PartitionSpec`` s as the boxes they came to ``init`` in name them
+  (a tree like ``params``, ``P()`` where a box has no names), where those names are axes
+  of ``mesh`` (a mesh of the same shape as the one the boxes were named on: Flax's
+  ``nnx.with_partitioning`` and ``nn.with_partitioning`` under ``jax.set_mesh``) and
+  some leaf is sharded over one; ``None`` otherwise (plain arrays, placed arrays, whose
+  placement a jitted ``init`` does not see, or logical names)."""
+  found = _BOXES.get()
+  if (found is None or found.mesh is None or mesh is None
+      or dict(found.mesh.shape) != dict(mesh.shape)):
+    return None
+  keys, leaves = _keyed_leaves(params)
+  table = {}
+  for k, x in zip(keys, leaves):
+    entry = found.specs.get(k)
+    if entry is not None and entry[0] == tuple(jnp.shape(x)):
+      table[k] = entry[1]
+  named = {n for sp in table.values() for e in sp if e is not None
+           for n in (e if isinstance(e, tuple) else (e,))}
+  if not named or not named <= set(mesh.axis_names):
+    return None
+  return jax.tree.unflatten(jax.tree.structure(params),
+                            [table.get(k, P()) for k in keys])
+
+
 def as_layout(setting: Any) -> Optional[OwnerLayout]:
   """``owner_layout=setting`` as an :class:`OwnerLayout` (``None``: off): ``"auto"`` is
   ``OwnerLayout()``, ``True`` ``OwnerLayout(replicated=True)``, a mesh
