@@ -17,7 +17,10 @@ The matrices that move are those split on their smaller side, where a low-rank m
 update communicates at every step, up to the size where a model of what each way sends
 says moving costs more (:func:`_moving_sizes`: a matrix far above a device's share would
 alone set the length of every device's exchange); the others stay where their shards are,
-their state laid out as the parameters, as without this layout.
+their state laid out as the parameters, as without this layout. The split is the one
+given when the optimizer is built, else the one ``init`` reads from the parameters' types
+(``Explicit`` axes) or from the boxes they come in (``Auto`` axes), else, where allowed,
+a guess from the shapes.
 
 Per matrix the update is the chain's (its blocks map their per-matrix equations over a
 stack), random draws included: each matrix keeps the index its draws are named by

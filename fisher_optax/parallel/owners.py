@@ -116,11 +116,12 @@ class OwnerLayout:
       gathering the basis ``U`` at every step. ``"auto"``
       (default): where the optimizer is built with a mesh of several devices (the
       context mesh, or ``mesh``), the split known (given in ``param_specs``, or read by
-      ``init`` from the parameters' types on ``Explicit`` axes) or the mesh of one axis
-      (FSDP's split guessed), and a model of what each way sends moves some of the
-      matrices (``fisher_optax.owned_stacks``); elsewhere, and for parameters visibly
-      replicated over ``Explicit`` axes at ``init``, the state is laid out as the
-      parameters. ``True``: asked for (an error without a mesh);
+      ``init`` from the parameters' types on ``Explicit`` axes, or from the names of
+      the boxes they come in on ``Auto`` axes where the matrices are not stacked) or
+      the mesh of one axis (FSDP's split guessed), and a model of what each way sends
+      moves some of the matrices (``fisher_optax.owned_stacks``); elsewhere, and for
+      parameters visibly replicated over ``Explicit`` axes at ``init``, the state is
+      laid out as the parameters. ``True``: asked for (an error without a mesh);
       ``False``: off.
   """
   mesh: Any = None
