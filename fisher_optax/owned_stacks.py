@@ -369,10 +369,10 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     dims: the leaves' matrix axes.
     param_specs: the parameters' ``PartitionSpec`` s where known when the optimizer is
       built (``OwnerLayout(param_specs=...)``); elsewhere ``init`` reads the split from
-      the parameters' types under a context mesh with ``Explicit`` axes
-      (``fo.state_shardings`` traces its abstract ``init`` with those types), else
-      guesses it from the shapes (:func:`_split_smaller`) where ``guess``. What the
-      optimizer was built with, the shapes and that split decide the state's structure.
+      the parameters' types on a mesh with ``Explicit`` axes (``fo.state_shardings``
+      traces its abstract ``init`` with those types), else guesses it from the shapes
+      (:func:`_split_smaller`) where ``guess``. What the optimizer was built with, the
+      shapes and that split decide the state's structure.
     mesh: the mesh the optimizer is built for, if known (its axes' sizes).
     rank: the chain's rank ``r`` (``None``: full), for the model of what each matrix
       sends where its shards are (:func:`_moving_sizes`).
@@ -381,7 +381,9 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
     asked: kept on the owners because asked for (``OwnerLayout(state_on_owners=True)``),
       also for parameters ``init`` sees replicated.
     guess: where neither ``param_specs`` nor the parameters' types at ``init`` give the
-      split, guess it (``False``: the state is then laid out as the parameters).
+      split, guess it. ``False``: read it from the names of the boxes the parameters
+      came to ``init`` in (the first such ``init``'s, for later ones of plain arrays),
+      else lay the state out as the parameters.
 
   ``init`` decides which sizes move (:func:`_moving_sizes`) and the state says it (the
   keys of ``owned``), so that every update follows the layout its state has. Where
