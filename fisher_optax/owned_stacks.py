@@ -238,6 +238,27 @@ def _init_splits(params: Any, dims: matrices.DimsSpec, devices: int, given: dict
           for v, k in zip(views, owners.leaf_keys(params))]
 
 
+def _known_specs(params: Any, param_specs: Any, guess: bool, mesh: Any,
+                 learned: list) -> Optional[dict]:
+  """``{path: PartitionSpec}`` of the split ``init`` knows: as given when the optimizer
+  was built, else as the parameters' types show it on ``Explicit`` axes; else, where it
+  may be guessed, ``{}`` (:func:`_split_smaller` guesses each leaf); else as the boxes
+  the parameters came in name it on ``mesh``, recorded in ``learned`` for later inits of
+  plain arrays (a leaf they did not name is whole: it stays, never guessed); else
+  ``None``."""
+  specs = owners.typed_specs(params) if param_specs is None else param_specs
+  if specs is not None:
+    return owners.path_specs(specs)
+  if guess:
+    return {}
+  boxed = owners.boxed_specs(params, mesh)
+  if boxed is not None:
+    learned[:] = [owners.path_specs(boxed)]
+  if not learned:
+    return None
+  return {k: learned[0].get(k, P()) for k in owners.leaf_keys(params)}
+
+
 def _to_stacks(p: _Plan, specs: list) -> tuple:
   """Per owned group, its members' matrices ``(k, m, n)`` (smaller side first) in the
   members' promoted dtype (bfloat16 and float32 matrices of a size travel as float32,
@@ -413,19 +434,10 @@ def owned_stacks(blocks: Callable[[matrices.DimsSpec], list], *, tail: list = ()
   learned: list = []
 
   def init_fn(params):
-    # the split as given, else as the parameters' types show it on Explicit axes, else
-    # (where it is not guessed) as the boxes they came in name it on the mesh
-    specs = owners.typed_specs(params) if param_specs is None else param_specs
-    given = None if specs is None else owners.path_specs(specs)
-    if given is None and not guess:
-      boxed = owners.boxed_specs(params, mesh)
-      if boxed is not None:
-        learned[:] = [owners.path_specs(boxed)]
-      if not learned:
-        return whole.init(params)
-      # a leaf the boxes did not name is taken as whole (it stays), never guessed
-      given = {k: learned[0].get(k, P()) for k in owners.leaf_keys(params)}
-    split = _init_splits(params, dims, devices, given or {}, sizes, known)
+    given = _known_specs(params, param_specs, guess, mesh, learned)
+    if given is None:  # not known, and not to be guessed: the state as the parameters
+      return whole.init(params)
+    split = _init_splits(params, dims, devices, given, sizes, known)
     p = _plan(params, dims, devices, split, rank, summed)
     if not p.keys or (not asked and owners.visibly_replicated(params)):
       # nothing moves (or data parallelism on Explicit axes): the state as the parameters

@@ -186,6 +186,25 @@ def reading_boxes(params: Any, specs: Any, mesh: Any, ruled: Any = None):
     _BOXES.reset(token)
 
 
+def spec_axes(spec: Any) -> set:
+  """The mesh axes a ``PartitionSpec`` names (``None`` entries skipped)."""
+  return {n for e in (spec or ()) if e is not None
+          for n in (e if isinstance(e, tuple) else (e,))}
+
+
+def _named_on(table: dict, tree: Any, mesh) -> dict:
+  """``{path: PartitionSpec}`` of the leaves of ``tree`` whose box (``table``: path ->
+  (shape, spec)) named them with their shape, where every name is an axis of ``mesh``;
+  ``{}`` otherwise."""
+  out = {}
+  for k, x in zip(*_keyed_leaves(tree)):
+    entry = table.get(k)
+    if entry is not None and entry[0] == tuple(jnp.shape(x)):
+      out[k] = entry[1]
+  named = set().union(*map(spec_axes, out.values()))
+  return out if out and named <= set(mesh.axis_names) else {}
+
+
 def _box_split(boxes: _Boxes, updates: Any, mesh) -> tuple:
   """``({path: PartitionSpec}, placed)`` of the gradients in ``updates`` whose parameter's
   box named it with that shape, where every name is an axis of ``mesh`` (mesh axes, as
@@ -193,21 +212,13 @@ def _box_split(boxes: _Boxes, updates: Any, mesh) -> tuple:
   rules in force at ``init`` are (MaxText's); else ``({}, False)``. ``placed``: the boxes
   named mesh axes of the mesh ``init`` ran on, laid out as ``mesh``, so that the state's
   boxes carry ``fo.state_shardings``' names for it."""
-  def read(table):
-    out = {}
-    for k, x in zip(*_keyed_leaves(updates)):
-      entry = table.get(k)
-      if entry is not None and entry[0] == tuple(jnp.shape(x)):
-        out[k] = entry[1]
-    named = {n for sp in out.values() for e in sp if e is not None
-             for n in (e if isinstance(e, tuple) else (e,))}
-    return out if out and named <= set(mesh.axis_names) else {}
-
-  out = read(boxes.specs)
+  out = _named_on(boxes.specs, updates, mesh)
   if out:
     placed = boxes.mesh is not None and dict(boxes.mesh.shape) == dict(mesh.shape)
     return out, placed
-  return (read(boxes.ruled), False) if boxes.ruled is not None else ({}, False)
+  if boxes.ruled is None:
+    return {}, False
+  return _named_on(boxes.ruled, updates, mesh), False
 
 
 def parameter_axes_first() -> bool:
@@ -257,15 +268,12 @@ def _sharded(tree: Any, mesh) -> bool:
   explicit = set(getattr(mesh, "explicit_axes", ()) or ())
   if not explicit:
     return True
-  for x in jax.tree.leaves(tree):
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is None:
-      continue
-    for entry in spec:
-      names = entry if isinstance(entry, tuple) else (entry,)
-      if any(n in explicit for n in names if n is not None):
-        return True
-  return False
+  return any(spec_axes(_typed_spec(x)) & explicit for x in jax.tree.leaves(tree))
+
+
+def _typed_spec(x: Any) -> Optional[P]:
+  """The ``PartitionSpec`` in ``x``'s type (``None`` where its type carries none)."""
+  return getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
 
 
 def typed_specs(params: Any) -> Optional[Any]:
@@ -274,19 +282,13 @@ def typed_specs(params: Any) -> Optional[Any]:
   ``init`` of arrays placed on such a mesh sees their shardings in their types), where
   some leaf is sharded over such an axis; ``None`` where the types say nothing (``Auto``
   axes, or no leaf sharded over an explicit axis)."""
-  def spec(x):
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ())
-    entries = tuple(getattr(sharding, "spec", None) or ())
-    named = {n for e in entries for n in (e if isinstance(e, tuple) else (e,))
-             if n is not None}
-    return getattr(sharding, "spec", None), bool(named & explicit)
+  def explicit(x):  # the explicit axes of the mesh in x's type
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return set(getattr(mesh, "explicit_axes", ()) or ())
 
-  read = jax.tree.map(spec, params)
-  is_read = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], bool)  # noqa: E731
-  if not any(s for _, s in jax.tree.leaves(read, is_leaf=is_read)):
+  if not any(spec_axes(_typed_spec(x)) & explicit(x) for x in jax.tree.leaves(params)):
     return None
-  return jax.tree.map(lambda r: r[0], read, is_leaf=is_read)
+  return jax.tree.map(_typed_spec, params)
 
 
 def boxed_specs(params: Any, mesh: Any) -> Optional[Any]:
@@ -300,18 +302,11 @@ def boxed_specs(params: Any, mesh: Any) -> Optional[Any]:
   if (found is None or found.mesh is None or mesh is None
       or dict(found.mesh.shape) != dict(mesh.shape)):
     return None
-  keys, leaves = _keyed_leaves(params)
-  table = {}
-  for k, x in zip(keys, leaves):
-    entry = found.specs.get(k)
-    if entry is not None and entry[0] == tuple(jnp.shape(x)):
-      table[k] = entry[1]
-  named = {n for sp in table.values() for e in sp if e is not None
-           for n in (e if isinstance(e, tuple) else (e,))}
-  if not named or not named <= set(mesh.axis_names):
+  table = _named_on(found.specs, params, mesh)
+  if not any(map(spec_axes, table.values())):  # no leaf is sharded
     return None
   return jax.tree.unflatten(jax.tree.structure(params),
-                            [table.get(k, P()) for k in keys])
+                            [table.get(k, P()) for k in leaf_keys(params)])
 
 
 def as_layout(setting: Any) -> Optional[OwnerLayout]:
