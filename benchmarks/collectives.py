@@ -62,6 +62,9 @@ import os
 import pathlib
 import re
 import sys
+from typing import Optional
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -87,21 +90,89 @@ def shape_bytes(text: str) -> int:
   return total
 
 
+# XLA's mesh spelling of replica groups: the mesh's axes, optionally the device ids in
+# its positions (an iota ``[2,4]T(1,0)`` or a list), and the axes a group spans
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?"
+                          r"\s*\{([^}]*)\}")
+
+
+def _ids(spec: str, n: int) -> list:
+  """Device ids in positions ``0..n-1`` from a ``device_ids`` spelling: an iota
+  ``[d0,d1,..]`` optionally ``T(p0,p1,..)``, or a list."""
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
+  if not m:
+    return [int(x) for x in spec.split(",") if x.strip()]
+  ids = np.arange(n).reshape([int(d) for d in m.group(1).split(",")])
+  if m.group(2):
+    ids = ids.transpose([int(p) for p in m.group(2).split(",")])
+  return [int(i) for i in ids.reshape(-1)]
+
+
 def group_size(attrs: str, num_devices: int) -> int:
   """Size of a collective's replica groups, in any of XLA's three spellings:
   ``{{0,1,2,3},{4,5,6,7}}``, ``[2,4]<=[8]`` (groups x size) and
-  ``mesh['a'=2,'b'=4] {'b'}`` (the product of the named axes); empty: every device."""
+  ``mesh['a'=2,'b'=4] {'b'}`` (the product of the named axes; also with the devices
+  placed on that mesh, ``mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}``); empty:
+  every device."""
   m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
   if m:
     return len([x for x in m.group(1).split(",") if x.strip()])
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
   if m:
     return int(m.group(2))
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+  m = _MESH_GROUPS.search(attrs)
   if m:
     sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(3)))
   return num_devices
+
+
+def _iota_group(attrs: str) -> Optional[list]:
+  """The first replica group of the iota spelling ``[G,S]<=[d0,d1,..]T(p0,p1,..)``
+  (device ids ``0..N-1`` laid out as ``dims``, transposed by ``perm``, cut into ``G``
+  groups of ``S``)."""
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if not m:
+    return None
+  dims = [int(d) for d in m.group(3).split(",")]
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  if m.group(4):
+    ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+  return [int(i) for i in ids.reshape(int(m.group(1)), int(m.group(2)))[0]]
+
+
+def first_group(attrs: str, num_devices: int) -> list:
+  """The device ids of a collective's first replica group (the one holding device 0),
+  in any of the spellings :func:`group_size` reads."""
+  m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", attrs)
+  if m:
+    return [int(x) for x in m.group(1).split(",") if x.strip()]
+  got = _iota_group(attrs)
+  if got is not None:
+    return got
+  m = _MESH_GROUPS.search(attrs)
+  if m:
+    sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+    named = set(re.findall(r"'([^']+)'", m.group(3)))
+    n = math.prod(k for _, k in sizes)
+    ids = np.asarray(_ids(m.group(2), n) if m.group(2) else np.arange(n)).reshape(
+        [k for _, k in sizes])
+    index = tuple(slice(None) if a in named else 0 for a, _ in sizes)
+    return [int(i) for i in ids[index].reshape(-1)]
+  return list(range(num_devices))
+
+
+def group_axes(attrs: str, num_devices: int, mesh_shape: Optional[dict]) -> str:
+  """The mesh axes a collective's group spans (``"data+fsdp"``), the device ids read
+  as positions in the mesh (``mesh_shape``: axis name -> size, in order; the
+  benchmark's meshes take the devices in id order); ``""`` without a mesh."""
+  if not mesh_shape:
+    return ""
+  coords = [np.unravel_index(d, tuple(mesh_shape.values()))
+            for d in first_group(attrs, num_devices)]
+  return "+".join(a for i, a in enumerate(mesh_shape)
+                  if len({c[i] for c in coords}) > 1)
 
 
 def sent_bytes(kind: str, result_bytes: int, g: int) -> float:
@@ -126,6 +197,8 @@ class Traffic:
   count: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
   # bytes per (kind, the JAX operation that issued it: the op_name XLA keeps)
   by_source: dict = dataclasses.field(default_factory=dict)
+  # bytes per set of mesh axes the collectives' groups span ("fsdp", "data+fsdp")
+  by_axes: dict = dataclasses.field(default_factory=dict)
 
   @property
   def total(self) -> float:
@@ -141,6 +214,8 @@ class Traffic:
       self.count[k] += int(other.count[k] * times)
     for key, b in other.by_source.items():
       self.by_source[key] = self.by_source.get(key, 0.0) + b * times
+    for key, b in other.by_axes.items():
+      self.by_axes[key] = self.by_axes.get(key, 0.0) + b * times
 
   def largest(self, n: int) -> list:
     """The ``n`` largest sources: ``(bytes, kind, op_name)``, loops and branches counted
@@ -166,7 +241,8 @@ def source_name(op_name: str) -> str:
   return head + "/[" + " + ".join(dict.fromkeys(inner[:-1].split(":"))) + "]"
 
 
-def _parse(text: str, num_devices: int) -> tuple[dict, str]:
+def _parse(text: str, num_devices: int, mesh_shape: Optional[dict] = None
+           ) -> tuple[dict, str]:
   comps, entry, cur = {}, None, None
   for line in text.splitlines():
     m = _COMP.match(line)
@@ -196,6 +272,9 @@ def _parse(text: str, num_devices: int) -> tuple[dict, str]:
       name = re.search(r'op_name="([^"]*)"', rest)
       key = (base, source_name(name.group(1)) if name else "")
       cur.own.by_source[key] = cur.own.by_source.get(key, 0.0) + b
+      if b:
+        axes = group_axes(rest, num_devices, mesh_shape)
+        cur.own.by_axes[axes] = cur.own.by_axes.get(axes, 0.0) + b
     if kind == "while":
       body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
       cond = re.search(r"condition=%?([\w.\-]+)", rest).group(1)
@@ -215,11 +294,14 @@ def _parse(text: str, num_devices: int) -> tuple[dict, str]:
   return comps, entry
 
 
-def traffic(text: str, num_devices: int, *, refresh: bool) -> tuple[Traffic, list]:
+def traffic(text: str, num_devices: int, *, refresh: bool,
+            mesh_shape: Optional[dict] = None) -> tuple[Traffic, list]:
   """The program's traffic per device on an ordinary step (``refresh=False``: each
   conditional's cheapest branch) or a refresh step (its dearest); also the loops whose
-  trip count XLA could not tell (counted once)."""
-  comps, entry = _parse(text, num_devices)
+  trip count XLA could not tell (counted once). ``mesh_shape`` (axis name -> size, in
+  the mesh's order): also the bytes per set of mesh axes the groups span
+  (``Traffic.by_axes``)."""
+  comps, entry = _parse(text, num_devices, mesh_shape)
   unknown: list = []
   memo: dict = {}
 
@@ -257,13 +339,14 @@ def layout_specs(params, layout: str, devices: int):
   from jax.sharding import PartitionSpec as P
 
   fsdp = devices if layout == "fsdp" else devices // 2
+  fsdp_like = layout in ("fsdp", "hsdp")
 
   def spec(path, x):
     key = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
     shape = x.shape
     if layout == "dp" or len(shape) < 2:
       return P()
-    if layout == "fsdp":
+    if fsdp_like:
       # the larger axis, else the other where the larger does not divide the devices
       entries = [None] * len(shape)
       for a in sorted(range(len(shape)), key=lambda a: -shape[a]):
@@ -295,6 +378,8 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
   kind = AxisType.Explicit if axis_types == "explicit" else AxisType.Auto
   if layout == "fsdp_tp":
     return Mesh(devs.reshape(devices // 2, 2), ("fsdp", "tensor"), axis_types=(kind,) * 2)
+  if layout == "hsdp":
+    return Mesh(devs.reshape(2, devices // 2), ("data", "fsdp"), axis_types=(kind,) * 2)
   return Mesh(devs, ("fsdp",), axis_types=(kind,))
 
 
@@ -457,8 +542,8 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
                           with_sh(params, p_sh)).compile()
   text = compiled.as_text()
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  ordinary, unknown = traffic(text, devices, refresh=False)
-  refresh, _ = traffic(text, devices, refresh=True)
+  ordinary, unknown = traffic(text, devices, refresh=False, mesh_shape=dict(mesh.shape))
+  refresh, _ = traffic(text, devices, refresh=True, mesh_shape=dict(mesh.shape))
   temp = compiled.memory_analysis().temp_size_in_bytes
   # the optimizer state one device holds, laid out as fo.state_shardings says
   state_bytes = sum(math.prod(sh.shard_shape(x.shape)) * x.dtype.itemsize
@@ -479,6 +564,10 @@ def measure(name: str, preset: str, layout: str, devices: int, owner: str = "def
               ordinary_collectives=ordinary.collectives,
               refresh_collectives=refresh.collectives,
               by_kind_refresh={k: v / param_bytes for k, v in refresh.sent.items() if v},
+              # bytes per set of mesh axes the collectives span ("data": between the
+              # data-parallel replicas of hsdp)
+              by_axes_ordinary={k: v / param_bytes for k, v in ordinary.by_axes.items()},
+              by_axes_refresh={k: v / param_bytes for k, v in refresh.by_axes.items()},
               largest_ordinary=[(b / param_bytes, k, n) for b, k, n in ordinary.largest(top)],
               largest_refresh=[(b / param_bytes, k, n) for b, k, n in refresh.largest(top)],
               temp_bytes=temp, temp_ratio=temp / param_bytes,
@@ -508,7 +597,8 @@ def measure_train_step(preset: str, layout: str, devices: int) -> dict:
   specs = layout_specs(params, layout, devices)
   p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  batch = NamedSharding(mesh, P("fsdp"))  # data parallel over fsdp; replicated over tensor
+  # data parallel over fsdp (and data); replicated over tensor
+  batch = NamedSharding(mesh, P(("data", "fsdp") if layout == "hsdp" else "fsdp"))
 
   def loss(p, tokens):
     state = nnx.State(abstract)
@@ -521,12 +611,13 @@ def measure_train_step(preset: str, layout: str, devices: int) -> dict:
                          params, p_sh)
   compiled = jax.jit(jax.grad(loss), out_shardings=p_sh).lower(with_sh, tokens).compile()
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  t, _ = traffic(compiled.as_text(), devices, refresh=False)
+  t, _ = traffic(compiled.as_text(), devices, refresh=False, mesh_shape=dict(mesh.shape))
   return dict(optimizer="train step (yardstick)", preset=preset, layout=layout,
               devices=devices, param_bytes=param_bytes, ordinary_bytes=t.total,
               refresh_bytes=t.total, ordinary_ratio=t.total / param_bytes,
               refresh_ratio=t.total / param_bytes, ordinary_collectives=t.collectives,
               refresh_collectives=t.collectives,
+              by_axes_ordinary={k: v / param_bytes for k, v in t.by_axes.items()},
               temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
               temp_ratio=compiled.memory_analysis().temp_size_in_bytes / param_bytes)
 
@@ -540,7 +631,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="tiny")
   ap.add_argument("--devices", type=int, default=8)
-  ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "dp"))
+  ap.add_argument("--layout", default="fsdp", choices=("fsdp", "fsdp_tp", "hsdp", "dp"))
   ap.add_argument("--optimizers", default=",".join(DEFAULT))
   ap.add_argument("--owner-layout", default="default", choices=tuple(OWNER),
                   help="the library's owner_layout: each optimizer's default, on, off, "
@@ -623,6 +714,11 @@ def main(argv=None):
                                            else f"{'':>7}")
           + ("  *" if r.get("loops_without_trip_count") else "")
           + timed, flush=True)
+    if args.layout in ("fsdp_tp", "hsdp"):  # which mesh axes the bytes travel over
+      print("    by mesh axes: " + "; ".join(
+          f"{step} " + ", ".join(f"{a or 'none'} {v:.3f}x" for a, v in sorted(
+              r.get(f"by_axes_{step}", {}).items()))
+          for step in ("ordinary", "refresh") if f"by_axes_{step}" in r))
     for step in ("ordinary", "refresh") if args.top and name != "train step" else ():
       for ratio, kind, source in r[f"largest_{step}"]:
         print(f"    {step:<8} {ratio:>8.4f}x  {kind:<18} {source or '(no op_name)'}")

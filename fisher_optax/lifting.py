@@ -88,9 +88,11 @@ class Lifted:
     self.views = [None if vectors and jnp.ndim(x) < 2
                   else matrix_view(jnp.shape(x), d, what=what, **flags)
                   for x, d in zip(self.leaves, dims_leaves)]
+    self.specs = owners.leaf_specs(tree)
+    if canonical:  # where the owners' exchange slices them further, kept as they are
+      self.leaves = owners.held_where_replicated(self.leaves, self.views, self.specs)
     self.canonical_grads = ([_canonical_f32(g, v) for g, v in zip(self.leaves, self.views)]
                 if canonical else None)
-    self.specs = owners.leaf_specs(tree)
     self.param_specs = owners.leaf_param_specs(tree)
     self.keys = owners.leaf_keys(tree)
 

@@ -90,6 +90,44 @@ def test_reader_on_a_compiled_all_gather_and_all_reduce():
   assert got.count["all-reduce"] == 1 and got.total == pytest.approx(2 * 32 * 4 * 7 / 8)
 
 
+def test_reader_on_groups_of_devices_placed_on_a_mesh():
+  """XLA's mesh spelling with ``device_ids``: the devices laid out on a mesh of its own;
+  a group spans the named axes of that mesh. Read as positions in the benchmark's mesh
+  (data 2 x fsdp 4, devices in id order), each group is one mesh axis or both."""
+  placed = ("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], "
+            "device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}")
+  assert C.group_size(placed, 8) == 4
+  assert C.first_group(placed, 8) == [0, 1, 2, 3]
+  listed = "replica_groups=mesh['a'=2,'b'=4], device_ids=(7,6,5,4,3,2,1,0) {'a'}"
+  assert C.group_size(listed, 8) == 2 and C.first_group(listed, 8) == [7, 3]
+  mesh = {"data": 2, "fsdp": 4}
+  assert C.group_axes(placed, 8, mesh) == "fsdp"
+  assert C.group_axes("replica_groups=[4,2]<=[2,4]T(1,0), dims", 8, mesh) == "data"
+  assert C.group_axes("replica_groups={{0,4},{1,5},{2,6},{3,7}}", 8, mesh) == "data"
+  assert C.group_axes("replica_groups=mesh['a'=2,'b'=4] {'a','b'}", 8, mesh) == "data+fsdp"
+  assert C.group_axes("replica_groups=[2,4]<=[8], dims", 8, mesh) == "fsdp"
+  assert C.group_axes("replica_groups=[2,4]<=[8], dims", 8, None) == ""
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+def test_reader_tells_the_mesh_axes_of_compiled_collectives():
+  """On data 2 x fsdp 4: a sum over ``data`` and a gather over ``fsdp`` (``shard_map``),
+  each counted once, under its own axis, with its own group size."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+
+  def body(x):
+    return jax.lax.all_gather(jax.lax.psum(x, "data"), "fsdp", axis=0, tiled=True)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P(),
+                            check_vma=False))
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  got, _ = C.traffic(f.lower(x).compile().as_text(), 8, refresh=False,
+                     mesh_shape={"data": 2, "fsdp": 4})
+  shard = 16 * 32 * 4
+  assert got.by_axes == pytest.approx({"data": 2 * shard / 2, "fsdp": 4 * shard * 3 / 4})
+  assert got.total == pytest.approx(sum(got.by_axes.values()))
+
+
 @pytest.mark.example
 def test_collectives_script_runs_on_tiny(tmp_path):
   """The script on 4 devices: Adam's update sends nothing, GaLore's refresh more than its

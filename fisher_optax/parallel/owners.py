@@ -984,6 +984,29 @@ def view_split(view, spec: Optional[P], spread: bool = True) -> Optional[list]:
   return [(1, n) for n in rows] + [(2, n) for n in cols]
 
 
+def held_where_replicated(leaves: list, views: list, specs: list) -> list:
+  """``leaves`` (an update's arrays, with their matrix views and the ``PartitionSpec`` s
+  the update knows them by, ``None`` where not known) kept in their own layout where
+  the owner layout's exchange splits their matrices further over mesh axes they are
+  replicated over (:func:`view_split`: data parallelism beside FSDP, the owners
+  spread over both). Their slices then come off the array where it enters the
+  exchange, a local slice; unpinned, XLA computed what produced them (the momentum
+  whose new state is replicated over those axes) on the slices and gathered the state
+  back (tiny LLaMA, data 2 x FSDP 4 on 8 CPU devices, ``Auto`` axes, specs given:
+  Muon's update sent 0.289x of the parameter bytes per step unpinned, 0.214x pinned,
+  as on ``Explicit`` axes)."""
+  on = _ACTIVE.get()
+  if on is None:
+    return leaves
+  out = []
+  for x, v, sp in zip(leaves, views, specs):
+    if (sp is not None and v is not None and jnp.ndim(x) == len(v.shape)
+        and view_split(v, sp) != view_split(v, sp, spread=False)):
+      x = _constrain(x, sp, on.mesh)
+    out.append(x)
+  return out
+
+
 def sender(transport: Any) -> Callable[[jax.Array], jax.Array]:
   """Casts a floating array to the transport dtype (``None``: leaves it) for its way to
   or from the owners."""
