@@ -33,7 +33,7 @@ from fisher_optax.matrices import (EMBEDDING, NOT_A_MATRIX, DimsRule, Embedding,
 from fisher_optax.model_dims import ModelDims, einsum_dims
 from fisher_optax.owned_stacks import OwnedStacksState
 from fisher_optax.parallel.explicit_axes import with_auto_axes
-from fisher_optax.parallel.owners import OwnerLayout, owner_layout
+from fisher_optax.parallel.owners import GuessedSplitWarning, OwnerLayout, owner_layout
 from fisher_optax.parallel.sharding import state_partition_specs, state_shardings
 from fisher_optax.refresh import (SubspaceRefresh, SvdRefresh, Switch, subspace_refresh,
                                   svd_refresh, switch)
@@ -65,6 +65,6 @@ __all__ = [
     "ModelDims", "NOT_A_MATRIX", "PathMask", "Unclassified", "default_mask", "einsum_dims",
     "equinox_dims", "flax_dims", "haiku_dims", "linen_dims", "in_float32", "path_mask",
     "Description", "describe", "paper_state_numbers", "state_bytes", "state_numbers",
-    "state_partition_specs", "state_shardings", "with_auto_axes", "OwnerLayout", "owner_layout",
-    "convert_state_layout",
+    "state_partition_specs", "state_shardings", "with_auto_axes", "GuessedSplitWarning",
+    "OwnerLayout", "owner_layout", "convert_state_layout",
 ]

@@ -4,6 +4,8 @@
 no gather of the state between the replicas, and the sharded updates are one device's.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -87,3 +89,33 @@ def test_updates_on_data_replicas_of_fsdp_are_one_devices(name):
     got, _ = util.run_sharded(_tx(name, _given()), params, grads,
                               SPECS, 5, mesh)
   util.assert_close_change(got, want, params, name)
+
+
+def _traced(tx, mesh):
+  """Traces ``tx``'s update of the test tree under ``mesh`` (the context mesh), the
+  parameters laid out by the module's specs."""
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(tx.init, params)
+    jax.jit(tx.update, in_shardings=(p_sh, None, p_sh)).lower(params, state, params)
+
+
+def test_a_split_guessed_on_a_mesh_of_several_axes_is_warned():
+  """On ``Auto`` axes with nothing naming the split, the update guesses Megatron's
+  layout, wrong for data-parallel replicas of FSDP: a ``GuessedSplitWarning`` names the
+  fixes. Not with the split given, nor with ``guessed=True``, nor with the layout off,
+  nor on a mesh of one axis (FSDP's split)."""
+  mesh = _mesh(AxisType.Auto)
+  with jax.set_mesh(mesh):
+    guessed = _tx("muon")
+  with pytest.warns(fo.GuessedSplitWarning, match=r"param_specs.*Explicit axes.*boxes"):
+    _traced(guessed, mesh)
+  one = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(one):
+    on_one = _tx("muon")
+  for tx, m in [(_tx("muon", _given()), mesh), (_tx("muon", fo.OwnerLayout(guessed=True)), mesh),
+                (_tx("muon", False), mesh), (on_one, one)]:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", fo.GuessedSplitWarning)
+      _traced(tx, m)
