@@ -1,7 +1,8 @@
 """What each device sends per optimizer update under a sharded layout, read from the
 compiled program.
 
-    python benchmarks/collectives.py [--preset tiny] [--devices 8] [--layout fsdp]
+    python benchmarks/collectives.py [--preset tiny] [--devices 8]
+                                     [--layout fsdp|fsdp_tp|hsdp|dp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
                                      [--owner-layout default|on|off|mesh|state|leaf]
                                      [--time N]
@@ -13,7 +14,8 @@ its HLO after SPMD partitioning (``compiled.as_text()``) is read:
 
 * every collective -- ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all``,
   ``collective-permute`` (and their ``-start`` forms) -- with its result shape and its
-  replica-group size ``g``;
+  replica-group size ``g`` (read in each of XLA's spellings of replica groups) and the
+  mesh axes its groups span;
 * bytes each device sends, with ring algorithms: all-gather ``out (g-1)/g``,
   reduce-scatter ``out (g-1)``, all-reduce ``2 x bytes (g-1)/g``, all-to-all
   ``bytes (g-1)/g``, collective-permute ``bytes``;
@@ -31,7 +33,11 @@ matrix sharded on its larger axis over all devices, on the other where the large
 divide), ``fsdp_tp`` (Megatron tensor
 parallelism over 2 devices -- q/k/v/gate/up column-parallel, o/down row-parallel, the
 embedding and output layer over the vocabulary -- and FSDP over the rest on the other
-axis) and ``dp`` (replicated parameters: nothing to send). The optimizers are the LLaMA
+axis), ``hsdp`` (data-parallel replicas of FSDP: a ``("data", "fsdp")`` mesh of 2 x
+``devices / 2``, every matrix split over ``fsdp`` as ``fsdp`` splits it and replicated
+over ``data``) and ``dp`` (replicated parameters: nothing to send). On a mesh of several
+axes each row is followed by the bytes per set of mesh axes the collectives' groups
+span (``data``, ``fsdp``, ``data+fsdp``, ...). The optimizers are the LLaMA
 example's (``benchmarks/step_time.py``): ``adam`` is ``optax.adam``, ``muon``
 ``optax.contrib.muon``, ``fo_muon`` the library's Muon; the library's run in the
 per-leaf layout, their state sharded as ``fo.state_shardings`` gives it, the optimizer
