@@ -72,10 +72,11 @@ def test_the_split_given_on_auto_axes_sends_what_the_types_give(name):
         given.by_axes, read.by_axes)
 
 
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
 @pytest.mark.parametrize("name", ["muon", "galore"])
-def test_updates_on_data_replicas_of_fsdp_are_one_devices(name):
+def test_updates_on_data_replicas_of_fsdp_are_one_devices(name, explicit):
   """5 steps (GaLore refreshing every 2) on the 2 x 4 mesh, the split given on ``Auto``
-  axes, give one device's parameters. The gradients have a separated spectrum at the
+  axes or read from the types on ``Explicit`` ones, give one device's parameters. The gradients have a separated spectrum at the
   rank: on i.i.d. Gaussian ones, whose spectrum is flat there, a few subspace-iteration
   steps amplify float32 rounding (any change in the order of the sums, a replicated
   tree under the owner layout included) to 0.3 to 0.5% of a 128 x 64 matrix's change."""
@@ -84,10 +85,10 @@ def test_updates_on_data_replicas_of_fsdp_are_one_devices(name):
             for i, (k, s) in enumerate(SHAPES.items())}
   grads = lambda t: {k: jnp.asarray(g[t], jnp.float32) for k, g in series.items()}  # noqa: E731
   want, _ = util.run_sharded(_tx(name), params, grads, SPECS, 5)
-  mesh = _mesh(AxisType.Auto)
-  with jax.set_mesh(mesh):
-    got, _ = util.run_sharded(_tx(name, _given()), params, grads,
-                              SPECS, 5, mesh)
+  mesh = _mesh(AxisType.Explicit if explicit else AxisType.Auto)
+  with jax.set_mesh(mesh):  # on Explicit axes the split is read from the types
+    got, _ = util.run_sharded(_tx(name) if explicit else _tx(name, _given()), params,
+                              grads, SPECS, 5, mesh)
   util.assert_close_change(got, want, params, name)
 
 
