@@ -464,6 +464,8 @@ def owner_layout(tx, setting: Any = AUTO):
 
 
 def _warn_guessed(mesh) -> None:
+  """Warns (:class:`GuessedSplitWarning`) that the update guesses the split on ``mesh``,
+  naming the fixes; Python's default filter shows it once per process."""
   names = tuple(n for n in mesh.axis_names if mesh.shape[n] > 1)
   warnings.warn(
       f"fisher_optax: the owner layout guesses each matrix's split on the mesh axes "
