@@ -136,16 +136,12 @@ def group_size(attrs: str, num_devices: int) -> int:
 
 def _iota_group(attrs: str) -> Optional[list]:
   """The first replica group of the iota spelling ``[G,S]<=[d0,d1,..]T(p0,p1,..)``
-  (device ids ``0..N-1`` laid out as ``dims``, transposed by ``perm``, cut into ``G``
-  groups of ``S``)."""
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  (the device ids :func:`_ids` reads, cut into ``G`` groups of ``S``)."""
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", attrs)
   if not m:
     return None
-  dims = [int(d) for d in m.group(3).split(",")]
-  ids = np.arange(math.prod(dims)).reshape(dims)
-  if m.group(4):
-    ids = ids.transpose([int(p) for p in m.group(4).split(",")])
-  return [int(i) for i in ids.reshape(int(m.group(1)), int(m.group(2)))[0]]
+  size = int(m.group(2))
+  return _ids(m.group(3), int(m.group(1)) * size)[:size]
 
 
 def first_group(attrs: str, num_devices: int) -> list:

@@ -287,17 +287,20 @@ def _typed_spec(x: Any) -> Optional[P]:
   return getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
 
 
+def _typed_explicit_axes(x: Any) -> set:
+  """The ``Explicit`` axes of the mesh in ``x``'s type (empty where it carries none)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  return set(getattr(mesh, "explicit_axes", ()) or ())
+
+
 def typed_specs(params: Any) -> Optional[Any]:
   """The parameters' ``PartitionSpec`` s as their types give them on a mesh with
   ``Explicit`` axes (a tree like ``params``; the context mesh need not be set: a jitted
   ``init`` of arrays placed on such a mesh sees their shardings in their types), where
   some leaf is sharded over such an axis; ``None`` where the types say nothing (``Auto``
   axes, or no leaf sharded over an explicit axis)."""
-  def explicit(x):  # the explicit axes of the mesh in x's type
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    return set(getattr(mesh, "explicit_axes", ()) or ())
-
-  if not any(spec_axes(_typed_spec(x)) & explicit(x) for x in jax.tree.leaves(params)):
+  if not any(spec_axes(_typed_spec(x)) & _typed_explicit_axes(x)
+             for x in jax.tree.leaves(params)):
     return None
   return jax.tree.map(_typed_spec, params)
 
@@ -453,19 +456,22 @@ def owner_layout(tx, setting: Any = AUTO):
       specs, held, majors = _known_split(layout, given, boxed[0] if boxed else None,
                                          updates, state, mesh)
     if mesh is not None and not specs and _split_axes(mesh) > 1:
-      if not layout.guessed:
-        mesh = None  # the split would be guessed on a mesh of several axes
-      elif layout.guessed == AUTO:
-        _warn_guessed(mesh)
+      mesh = _guessing(layout, mesh)
     with using(mesh, layout.transport_dtype, specs, held, majors):
       return tx.update(updates, state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _warn_guessed(mesh) -> None:
-  """Warns (:class:`GuessedSplitWarning`) that the update guesses the split on ``mesh``,
-  naming the fixes; Python's default filter shows it once per process."""
+def _guessing(layout: OwnerLayout, mesh) -> Optional[Any]:
+  """The mesh of an update that must guess the matrices' split on ``mesh`` (of several
+  axes), as ``layout.guessed`` says: ``None`` (off) for ``False``; else ``mesh``, with a
+  :class:`GuessedSplitWarning` naming the fixes for ``"auto"`` (Python's default filter
+  shows it once per process)."""
+  if not layout.guessed:
+    return None
+  if layout.guessed != AUTO:
+    return mesh
   names = tuple(n for n in mesh.axis_names if mesh.shape[n] > 1)
   warnings.warn(
       f"fisher_optax: the owner layout guesses each matrix's split on the mesh axes "
@@ -476,7 +482,8 @@ def _warn_guessed(mesh) -> None:
       "with Explicit axes (jax.make_mesh's default), or parameters in boxes named by mesh "
       "axes (nnx.with_partitioning) given to init. OwnerLayout(guessed=True) keeps the "
       "guess without this warning; guessed=False turns the layout off there.",
-      GuessedSplitWarning, stacklevel=3)
+      GuessedSplitWarning, stacklevel=4)
+  return mesh
 
 
 def _known_split(layout: OwnerLayout, given: Optional[dict], boxes: Optional[_Boxes],
