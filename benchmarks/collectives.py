@@ -4,7 +4,7 @@ compiled program.
     python benchmarks/collectives.py [--preset tiny] [--devices 8]
                                      [--layout fsdp|fsdp_tp|hsdp|dp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
-                                     [--owner-layout default|on|off|mesh|state|leaf]
+                                     [--owner-layout default|on|off|mesh|state|leaf|replicas]
                                      [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
@@ -47,7 +47,10 @@ built and the update traced under the mesh as the context mesh (``jax.set_mesh``
 where its shards are, as before the owner layout; ``state``: GaLore's, Fira's, Alice's,
 Alice-0's and Alice-SOAP's state on the owners, ``fo.OwnerLayout(state_on_owners=True)``; ``leaf``:
 theirs laid out as the parameters under the owner layout, ``state_on_owners=False``;
-the others at their default). ``--time N`` also runs each compiled
+the others at their default; ``replicas``: the whole-matrix work of an update spread
+over the mesh axes every parameter is replicated over too,
+``fo.OwnerLayout(across_replicas=True)``, which only a ``hsdp`` layout with the split
+known tells from the default). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
@@ -386,7 +389,7 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
 
 
 OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state",
-         "leaf": "leaf"}
+         "leaf": "leaf", "replicas": "replicas"}
 # the optimizers that keep their state on the owners with OwnerLayout(state_on_owners=True)
 STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0", "alice_soap")
 
@@ -430,12 +433,15 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
       setting = _default_owner_layout(name)
     if setting == "mesh":
       setting = mesh
+    if setting == "replicas":
+      setting = fo.OwnerLayout(across_replicas=True)
     if param_specs is not None and setting is not False:
       layout = fo.parallel.owners.as_layout(setting)
       # the state is placed by fo.state_shardings on the mesh (measure()): said so
       setting = fo.OwnerLayout(mesh=layout.mesh, transport_dtype=layout.transport_dtype,
                                replicated=layout.replicated, param_specs=param_specs,
-                               state_placed=True, state_on_owners=layout.state_on_owners)
+                               state_placed=True, state_on_owners=layout.state_on_owners,
+                               across_replicas=layout.across_replicas)
     if setting is not None:
       kw["owner_layout"] = setting
     if max_precond_dim is not None and "max_precond_dim" in _keywords(name):
@@ -639,8 +645,10 @@ def main(argv=None):
                   help="the library's owner_layout: each optimizer's default, on, off, "
                   "the mesh itself (the rotation family's state in the owner layout), or "
                   "state (the low-rank family's state on the owners: "
-                  "OwnerLayout(state_on_owners=True)), or leaf (theirs laid out as the "
-                  "parameters: state_on_owners=False)")
+                  "OwnerLayout(state_on_owners=True)), leaf (theirs laid out as the "
+                  "parameters: state_on_owners=False), or replicas (an update's "
+                  "whole-matrix work spread over data-parallel replicas too: "
+                  "OwnerLayout(across_replicas=True))")
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")

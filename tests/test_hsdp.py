@@ -1,7 +1,9 @@
 """Data-parallel replicas of FSDP (a ``data`` x ``fsdp`` mesh, every matrix split over
 ``fsdp`` and replicated over ``data``) under the owner layout: the split given on
 ``Auto`` axes sends what the split read from the types of ``Explicit`` axes sends, with
-no gather of the state between the replicas, and the sharded updates are one device's.
+no gather of the state between the replicas; an update's whole-matrix work sends nothing
+between them unless asked to spread over them; and the sharded updates are one
+device's.
 """
 
 import warnings
@@ -41,17 +43,19 @@ def _given():
   return fo.OwnerLayout(param_specs=SPECS, state_placed=True)
 
 
-def _sent(name, explicit):
+def _sent(name, explicit, layout=None):
   """The ordinary and refresh steps' traffic of the update compiled on the mesh: on
   ``Explicit`` axes with ``init`` of typed shapes (the split read from the types), else
-  on ``Auto`` axes with the split given (:func:`_given`)."""
+  on ``Auto`` axes with the split given (:func:`_given`); ``layout``: that owner layout
+  instead."""
   mesh = _mesh(AxisType.Explicit if explicit else AxisType.Auto)
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   p_sh = {k: NamedSharding(mesh, s) for k, s in SPECS.items()}
   typed = lambda t, sh: jax.tree.map(  # noqa: E731
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t, sh)
   with jax.set_mesh(mesh):
-    tx = _tx(name) if explicit else _tx(name, _given())
+    tx = (_tx(name, layout) if layout is not None else _tx(name) if explicit
+          else _tx(name, _given()))
     state = jax.eval_shape(tx.init, typed(params, p_sh) if explicit else params)
     s_sh = fo.state_shardings(tx, params, SPECS, mesh)
     step = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
@@ -93,6 +97,42 @@ def test_updates_on_data_replicas_of_fsdp_are_one_devices(name, explicit):
   util.assert_close_change(got, want, params, name)
 
 
+def test_the_owners_span_the_axes_the_parameters_are_split_over():
+  """Which axes one update's exchange spans: those that split some parameter (and any
+  of size one), where that leaves an axis of several devices out; else every axis."""
+  hsdp = _mesh(AxisType.Auto)
+  known = {k: (SHAPES[k], s) for k, s in SPECS.items()}
+  assert fo.parallel.owners.exchange_axes(known, hsdp) == ("fsdp",)
+  assert fo.parallel.owners.exchange_axes(None, hsdp) is None
+  assert fo.parallel.owners.exchange_axes({"w": ((8, 8), P())}, hsdp) is None
+  both = {"w": ((64, 64), P("data", "fsdp"))}
+  assert fo.parallel.owners.exchange_axes(both, hsdp) is None
+  three = jax.make_mesh((2, 4, 1), ("data", "fsdp", "tensor"),
+                        axis_types=(AxisType.Auto,) * 3)
+  assert fo.parallel.owners.exchange_axes(known, three) == ("fsdp", "tensor")
+
+
+def _by_replicas(traffic):
+  """What a device sends in groups that reach the other replica (any group over
+  ``data``)."""
+  return sum(v for k, v in traffic.by_axes.items() if "data" in k.split("+"))
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", ["muon", "normuon"])
+def test_whole_matrix_work_sends_nothing_between_the_replicas(name, explicit):
+  """By default the owners of one update are each replica's own devices: Muon's and
+  NorMuon's update sends nothing in a group that reaches the other replica, and all of
+  it within ``fsdp``. ``OwnerLayout(across_replicas=True)`` spreads the work over both
+  axes, and then part of the exchange crosses."""
+  for t in _sent(name, explicit):
+    assert t.total > 0 and _by_replicas(t) == 0, t.by_axes
+  across = fo.OwnerLayout(across_replicas=True) if explicit else fo.OwnerLayout(
+      param_specs=SPECS, state_placed=True, across_replicas=True)
+  for t in _sent(name, explicit, across):
+    assert _by_replicas(t) > 0, t.by_axes
+
+
 def _traced(tx, mesh):
   """Traces ``tx``'s update of the test tree under ``mesh`` (the context mesh), the
   parameters laid out by the module's specs."""
@@ -127,10 +167,12 @@ _REFERENCE = [pytest.param(n, marks=() if n in ("galore", "normuon") else pytest
               for n in ("galore", "alice", "alice_soap", "normuon", "soap")]
 
 
+@pytest.mark.parametrize("across", [False, True], ids=["replica", "across"])
 @pytest.mark.parametrize("name", _REFERENCE)
-def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name):
+def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name, across):
   """16 matrices 8 x 24 (SOAP: 16 x 16) split on their rows over ``fsdp`` and replicated
-  over ``data`` (the owners spread over both axes), the split given on ``Auto`` axes, 7
+  over ``data`` (the owners each replica's devices, or with ``across_replicas`` spread
+  over both axes), the split given on ``Auto`` axes, 7
   steps with refreshes where the method has them: every update equals the dense float64
   re-derivation of the paper's equations (``tests/reference.py``) within 2e-4, as the
   owners' other reference tests hold them."""
@@ -143,7 +185,7 @@ def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name
   mesh = _mesh(AxisType.Auto)
   with jax.set_mesh(mesh):
     tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=fo.OwnerLayout(
-        param_specs={"w": spec}, state_placed=True))
+        param_specs={"w": spec}, state_placed=True, across_replicas=across))
     got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
   for t, (a, b) in enumerate(zip(got, want), start=1):  # SOAP's first update is zero
     err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)
@@ -161,5 +203,9 @@ def test_zero_and_nan_gradients_stay_in_their_leaf_on_data_replicas_of_fsdp():
     tx = getattr(fo, name)(0.01, stack_matrices=False,
                            dims={k: fo.MatrixDims() for k in shapes},
                            owner_layout=fo.OwnerLayout(param_specs=specs, state_placed=True))
+    # GaLore's refresh sums a Gram over the devices in another order than one device:
+    # its float32 updates of parameters of 0.1 differ by up to 2e-5 with finite
+    # gradients too (Adam on coefficients near zero), whichever devices own
     util.assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs,
-                                                _mesh(AxisType.Auto))
+                                                _mesh(AxisType.Auto),
+                                                atol=5e-5 if name == "galore" else 1e-6)

@@ -211,11 +211,11 @@ def small_mesh():
 
 
 def assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mesh,
-                                           leaf="w", other="stack"):
+                                           leaf="w", other="stack", atol=1e-6):
   """Two steps of ``tx`` on ``mesh`` (``jax.set_mesh``) and on one device, with zero
   gradients and with NaN gradients in ``leaf`` only: the same NaN pattern and values
-  both ways, a zero gradient leaving ``leaf`` unchanged, a NaN one making all of it NaN
-  and leaving ``other`` finite."""
+  both ways (within ``atol``), a zero gradient leaving ``leaf`` unchanged, a NaN one
+  making all of it NaN and leaving ``other`` finite."""
   zero = lambda t: {k: jnp.zeros(s) for k, s in shapes.items()}  # noqa: E731
   nan = lambda t: {**grads(t), leaf: jnp.full(shapes[leaf], jnp.nan)}  # noqa: E731
   for given in (zero, nan):
@@ -225,7 +225,7 @@ def assert_zero_and_nan_stay_in_their_leaf(tx, shapes, params, grads, specs, mes
     for k in shapes:
       a, b = np.asarray(sharded[k]), np.asarray(single[k])
       np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=k)
-      np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=1e-6,
+      np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-4, atol=atol,
                                  err_msg=k)
     if given is zero:
       np.testing.assert_array_equal(np.asarray(sharded[leaf]), np.asarray(params()[leaf]))

@@ -26,6 +26,14 @@ Where the matrices come from: the split each gradient has, read from its type on
 else a guess from its shape (:func:`_matrix_split`) that XLA corrects matrix by matrix
 where it is wrong. Leaves of one shape split differently travel from their own splits.
 
+Which devices own: where the update knows the split, those of the mesh axes the
+parameters are split over (:func:`exchange_axes`); a mesh axis every parameter is
+replicated over (data-parallel replicas of FSDP) then carries nothing of the exchange,
+and each replica group repeats the whole-matrix work of its own matrices.
+``OwnerLayout(across_replicas=True)`` spreads that work over the replicas too. State
+kept on the owners across steps (:func:`run_owned`) is spread over every device all
+the same, so that its memory falls with the device count.
+
 Mesh: the one given to :func:`owner_layout`, else the context mesh of
 ``jax.set_mesh`` / ``jax.sharding.use_mesh`` (the ``Auto`` view that
 :func:`fisher_optax.with_auto_axes` gives an ``Explicit`` mesh included). Without a mesh
@@ -134,6 +142,16 @@ class OwnerLayout:
       parameters visibly replicated over ``Explicit`` axes at ``init``, the state is
       laid out as the parameters. ``True``: asked for (an error without a mesh);
       ``False``: off.
+    across_replicas: where the update knows the split and some mesh axis splits no
+      parameter (data-parallel replicas of FSDP: a ``("data", "fsdp")`` mesh), the
+      whole-matrix work of one update (Newton--Schulz, the refreshes' decompositions)
+      also spread over that axis: each device then runs ``1/P`` of it instead of
+      ``1/F`` (``F`` the size of the axes the parameters are split over), and sends
+      part of its exchange across the replicas. By default (``False``) the owners are
+      the devices of each replica group, and nothing of the exchange crosses between
+      replicas, which are often the slowest links (across slices). State kept on the
+      owners across steps (``state_on_owners``, the rotations' ``owners=P``) is spread
+      over every device either way.
   """
   mesh: Any = None
   transport_dtype: Any = None
@@ -142,6 +160,7 @@ class OwnerLayout:
   guessed: Any = AUTO
   state_placed: bool = False
   state_on_owners: Any = AUTO
+  across_replicas: bool = False
 
 
 class _Active(NamedTuple):
@@ -159,6 +178,15 @@ class _Active(NamedTuple):
   # whether fo.state_shardings laid the state out knowing the parameters' split, as the
   # update knows it (:func:`parameter_axes_first`)
   majors: bool = True
+  # the mesh axes one update's exchanges span (:func:`exchange_axes`; None: every one)
+  over: Optional[tuple] = None
+
+
+class _Axes(NamedTuple):
+  """Some axes of a mesh, read as a mesh by the exchanges' layout arithmetic
+  (``axis_names``, ``shape``): the owners of one update (:func:`exchange_mesh`)."""
+  axis_names: tuple
+  shape: dict
 
 
 # The owner layout of the update being traced (None: off).
@@ -250,17 +278,44 @@ def active() -> Optional[Any]:
 
 @contextlib.contextmanager
 def using(mesh: Optional[Any], transport_dtype: Any = None, specs: Optional[dict] = None,
-          held: Optional[dict] = None, majors: bool = True):
+          held: Optional[dict] = None, majors: bool = True, over: Optional[tuple] = None):
   """Traces the body with the owner layout on ``mesh`` (``None``: off); ``specs``: per
   path (:func:`path_specs`), the gradient's shape and ``PartitionSpec``, where known;
   ``held``: per path, the shapes and specs of its parameter's state arrays, where known
-  (:func:`state_held`); ``majors``: :func:`parameter_axes_first`."""
+  (:func:`state_held`); ``majors``: :func:`parameter_axes_first`; ``over``: the mesh
+  axes the exchanges span (:func:`exchange_axes`; ``None``: every one)."""
   token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype, specs,
-                                                        held=held, majors=majors))
+                                                        held=held, majors=majors,
+                                                        over=over))
   try:
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+def exchange_axes(specs: Optional[dict], mesh) -> Optional[tuple]:
+  """The mesh axes one update's owners span, from the gradients' known split
+  (``specs``: ``{path: (shape, PartitionSpec)}``): those of ``mesh`` that split some
+  gradient (and those of size one), in the mesh's order, where that leaves out an axis
+  of several devices (every parameter replicated over it: data-parallel replicas of
+  FSDP); ``None`` (every axis) otherwise, and where nothing is known."""
+  if not specs:
+    return None
+  named = set().union(*(spec_axes(sp) for _, sp in specs.values()))
+  split = {n for n in named if n in mesh.axis_names and mesh.shape[n] > 1}
+  every = {n for n in mesh.axis_names if mesh.shape[n] > 1}
+  if not split or split == every:
+    return None
+  return tuple(n for n in mesh.axis_names if n in split or mesh.shape[n] == 1)
+
+
+def exchange_mesh() -> Any:
+  """The owners of the update being traced, as a mesh for the exchanges' layout
+  arithmetic: the active mesh, or those of its axes that :func:`exchange_axes` chose."""
+  on = _ACTIVE.get()
+  if on.over is None:
+    return on.mesh
+  return _Axes(tuple(on.over), {n: on.mesh.shape[n] for n in on.over})
 
 
 def _mesh_size(mesh) -> int:
@@ -457,7 +512,8 @@ def owner_layout(tx, setting: Any = AUTO):
                                          updates, state, mesh)
     if mesh is not None and not specs and _split_axes(mesh) > 1:
       mesh = _guessing(layout, mesh)
-    with using(mesh, layout.transport_dtype, specs, held, majors):
+    over = None if mesh is None or layout.across_replicas else exchange_axes(specs, mesh)
+    with using(mesh, layout.transport_dtype, specs, held, majors, over):
       return tx.update(updates, state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -974,15 +1030,17 @@ def sized_split(size: int, param: Optional[tuple], last: bool = False) -> Option
   return None
 
 
-def view_split(view, spec: Optional[P], spread: bool = True) -> Optional[list]:
+def view_split(view, spec: Optional[P], spread: bool = True,
+               axes: Optional[tuple] = None) -> Optional[list]:
   """How a leaf's canonical stack ``(k, m, n)`` (:class:`fisher_optax.matrices.MatrixView`
   ``view``; its batch axes flattened into ``k``) is split over the owner layout's mesh
   when the leaf is split as ``spec``: a split ``[(array axis, mesh axis), ...]`` over
-  every mesh axis (the axes the leaf is replicated over added to a side they divide;
-  empty: replicated), or ``None`` where that is not known or not a split of the matrix
-  axes alone (no ``spec``; a batch axis split; a merged matrix axis split past its major
-  axis), for the caller to guess (:func:`_matrix_split`). With ``spread=False``, the
-  split the leaf has, the mesh axes it is replicated over left out."""
+  every mesh axis the exchange spans (:func:`exchange_mesh`; ``axes``: those instead),
+  the axes the leaf is replicated over added to a side they divide (empty: replicated),
+  or ``None`` where that is not known or not a split of the matrix axes alone (no
+  ``spec``; a batch axis split; a merged matrix axis split past its major axis), for
+  the caller to guess (:func:`_matrix_split`). With ``spread=False``, the split the
+  leaf has, the mesh axes it is replicated over left out."""
   on = _ACTIVE.get()
   if on is None or spec is None or view is None:
     return None
@@ -996,28 +1054,40 @@ def view_split(view, spec: Optional[P], spread: bool = True) -> Optional[list]:
   if any(names(entries[a]) for a in view.batch_axes):
     return None
   sides = []
-  for axes in (view.rows, view.cols):
-    if any(names(entries[a]) for a in axes[1:]):
+  for side in (view.rows, view.cols):
+    if any(names(entries[a]) for a in side[1:]):
       return None
-    sides.append(names(entries[axes[0]]))
+    sides.append(names(entries[side[0]]))
   rows, cols = (sides[1], sides[0]) if view.transpose else sides
   mesh = on.mesh
   size = lambda ns: math.prod(mesh.shape[n] for n in ns)  # noqa: E731
   if view.m % size(rows) or view.n % size(cols):
     return None
-  if not rows + cols:
-    return []
-  # the exchange splits every matrix over every mesh axis: a mesh axis the leaf is
-  # replicated over (data parallelism beside FSDP) splits it further where it divides,
-  # a local slice on the way in
-  rest = [n for n in mesh.axis_names if n not in rows + cols]
-  if rest and spread:
-    if view.m % size(rows + tuple(rest)) == 0:
-      rows += tuple(rest)
-    elif view.n % size(cols + tuple(rest)) == 0:
-      cols += tuple(rest)
-    else:
-      return None
+  split = [(1, n) for n in rows] + [(2, n) for n in cols]
+  if not split or not spread:
+    return split
+  return spread_onto(split, (view.m, view.n),
+                     axes if axes is not None else exchange_mesh().axis_names, mesh)
+
+
+def spread_onto(split: list, matrix: tuple, axes: tuple, mesh) -> Optional[list]:
+  """A split ``[(1 or 2, mesh axis), ...]`` of a stack of matrices ``matrix`` (``(m,
+  n)``) over every axis of ``axes``: the exchange splits every matrix over each axis it
+  spans, so one that ``split`` leaves out (the leaf replicated over it: data parallelism
+  beside FSDP) splits it further where it divides, the rows first, a local slice on the
+  way in. ``None`` where those axes divide neither side."""
+  rows = tuple(n for a, n in split if a == 1)
+  cols = tuple(n for a, n in split if a == 2)
+  rest = tuple(n for n in axes if n not in rows + cols)
+  if not rest:
+    return list(split)
+  size = lambda ns: math.prod(mesh.shape[n] for n in ns)  # noqa: E731
+  if matrix[0] % size(rows + rest) == 0:
+    rows += rest
+  elif matrix[1] % size(cols + rest) == 0:
+    cols += rest
+  else:
+    return None
   return [(1, n) for n in rows] + [(2, n) for n in cols]
 
 
@@ -1038,7 +1108,7 @@ def held_where_replicated(leaves: list, views: list, specs: list) -> list:
   out = []
   for x, v, sp in zip(leaves, views, specs):
     if (sp is not None and v is not None and jnp.ndim(x) == len(v.shape)
-        and view_split(v, sp) != view_split(v, sp, spread=False)):
+        and view_split(v, sp, axes=on.mesh.axis_names) != view_split(v, sp, spread=False)):
       x = _constrain(x, sp, on.mesh)
     out.append(x)
   return out
@@ -1203,10 +1273,16 @@ def _result_splits(out_leaves: list, padded: list, mesh, replicate: bool,
   other results split as the gradients are guessed to be (:func:`_matrix_split`)."""
   if not replicate:
     return [_matrix_split(o.shape, mesh) for o in out_leaves]
-  # a split over some of the mesh axes only comes back replicated (then sliced)
-  out = [sp if sp is not None and len(sp) == len(mesh.axis_names) else None
+  # a split over some of the exchange's axes only comes back replicated (then sliced)
+  out = [sp if covers(sp, mesh) else None
          for sp in (layouts(padded, None) if layouts is not None else [])]
   return out + [None] * (len(out_leaves) - len(out))
+
+
+def covers(split: Optional[list], mesh) -> bool:
+  """Whether ``split`` splits over every axis of ``mesh`` (the exchange's, where results
+  kept as state come back split, one piece per owner)."""
+  return split is not None and sorted(n for _, n in split) == sorted(mesh.axis_names)
 
 
 def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
@@ -1217,9 +1293,10 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   ``None``) with each matrix on its owner when the owner layout is on; otherwise
   ``local(fn, *args)`` as it is.
 
-  The stack axis is padded to a multiple of the device count with copies of the last
+  The stack axis is padded to a multiple of the owners' count with copies of the last
   matrix (real inputs, so that no padded slot meets a degenerate case). In
-  ``jax.shard_map`` over every mesh axis, one ``all_to_all`` per mesh axis turns each
+  ``jax.shard_map`` over every mesh axis, one ``all_to_all`` per mesh axis the exchange
+  spans (:func:`exchange_mesh`) turns each
   device's slices of every matrix into whole matrices of its own (:func:`_matrix_split`
   says from which split), ``local`` runs on them, and the inverse ``all_to_all`` s
   return the results to that split, where cutting the padding is local. Floating arrays
@@ -1238,7 +1315,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
   on = _ACTIVE.get()
   if on is None:
     return local(fn, *args)
-  mesh, transport = on.mesh, on.transport_dtype
+  mesh, transport = exchange_mesh(), on.transport_dtype
   k = next(a.shape[0] for a in args if a is not None)
   pad = -k % _mesh_size(mesh)
   padded = [a if a is None or not pad else
@@ -1270,7 +1347,7 @@ def map_whole(fn: Callable[..., Any], args: list, local: Callable[..., Any], *,
                            for i, sp in zip(present, in_splits)),
       out_specs=[P() if replicate and sp is None else _entries(o.shape, sp, order)
                  for o, sp in zip(out_leaves, out_splits)],
-      check_vma=False, **_mesh_argument(mesh))(*[send(padded[i]) for i in present])
+      check_vma=False, **_mesh_argument(on.mesh))(*[send(padded[i]) for i in present])
   return jax.tree.unflatten(out_tree, [y[:k].astype(o.dtype) if pad else y.astype(o.dtype)
                                        for y, o in zip(out, out_leaves)])
 
@@ -1495,10 +1572,14 @@ def basis_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
 def exchange_split(basis_shape: tuple, matrix_shape: tuple, larger: bool,
                    mesh=None, split: Optional[list] = None) -> Optional[list]:
   """How a refresh returns a basis to :func:`basis_split`'s layout in one exchange: that
-  split, the mesh axes it leaves out on the rank axis (where they divide it; a split
-  over every mesh axis, which :func:`pinned_basis` then gathers on the rank axis), or
-  ``None`` (gathered to every device)."""
-  mesh = mesh if mesh is not None else _ACTIVE.get().mesh
+  split, the axes of the exchange (``mesh``, by default :func:`exchange_mesh`) it leaves
+  out on the rank axis (where they divide it; a split over every axis of the exchange,
+  which :func:`pinned_basis` then gathers on the rank axis), or ``None`` (gathered to
+  every device). Mesh axes the exchange does not span stay whole: the basis comes back
+  alike to every replica, where taking the state's slice is local."""
+  mesh = mesh if mesh is not None else exchange_mesh()
+  if split is not None:
+    split = [(a, n) for a, n in split if n in mesh.axis_names]
   split = basis_split(basis_shape, matrix_shape, larger, mesh, split) or []
   used = {n for _, n in split}
   rest = [n for n in mesh.axis_names if n not in used]
@@ -1535,7 +1616,7 @@ def gram_in_place(shapes: list, splits: Optional[list] = None) -> list:
   on = _ACTIVE.get()
   if on is None:
     return [False] * len(shapes)
-  size = _mesh_size(on.mesh)
+  size = _mesh_size(exchange_mesh())
   share = sum(math.prod(s) for s in shapes) / size
   splits = splits if splits is not None else [None] * len(shapes)
   out = []
@@ -1550,12 +1631,13 @@ def gram_in_place(shapes: list, splits: Optional[list] = None) -> list:
 def summed_in_place(g: jax.Array, operand: Callable, split: Optional[list] = None
                     ) -> jax.Array:
   """``operand(g)`` (a Gram ``G G^T`` per matrix of the stack ``g``) with ``g``'s columns
-  split over every mesh axis, those that split them already first (``split``: the
-  stack's split where known, else guessed): each device forms the Gram of its columns
-  and one all-reduce sums them, left on every device (:func:`gram_in_place`)."""
+  split over every mesh axis the exchange spans (:func:`exchange_mesh`), those that
+  split them already first (``split``: the stack's split where known, else guessed):
+  each device forms the Gram of its columns and one all-reduce sums them, left on every
+  device (:func:`gram_in_place`)."""
   on = _ACTIVE.get()
-  names = tuple(on.mesh.axis_names)
-  split = split if split is not None else _matrix_split(g.shape, on.mesh) or []
+  names = tuple(exchange_mesh().axis_names)
+  split = split if split is not None else _matrix_split(g.shape, exchange_mesh()) or []
   cols = tuple(n for a, n in split if a == g.ndim - 1)
   spec = P(*([None] * (g.ndim - 1)), cols + tuple(n for n in names if n not in cols))
   return _constrain(operand(_constrain(g, spec, on.mesh)), P(), on.mesh)
@@ -1582,7 +1664,7 @@ def rows_in_place(shapes: list, ranks: list) -> list:
   on = _ACTIVE.get()
   if on is None:
     return [False] * len(shapes)
-  size = _mesh_size(on.mesh)
+  size = _mesh_size(exchange_mesh())
   share = sum(math.prod(s) for s in shapes) / size
   out = []
   for s, r in zip(shapes, ranks):
@@ -1596,8 +1678,8 @@ def on_rows(body: Callable[[list], list], items: list, splits: Optional[list] = 
             ) -> list:
   """``body(items)`` (a refresh of stacks, ``[(operand, basis, tracked, noise), ...]``
   -> ``[(basis, tracked), ...]``) inside a ``shard_map`` where every device holds a
-  contiguous block of each operand's and basis' rows, split over every mesh axis, and
-  the rest whole; ``fisher_optax.linalg.rows_split`` makes the reductions over rows sum
+  contiguous block of each operand's and basis' rows, split over every mesh axis the
+  exchange spans (:func:`exchange_mesh`), and the rest whole; ``fisher_optax.linalg.rows_split`` makes the reductions over rows sum
   over the devices, so the mathematics is one matrix's. The bases come back split so,
   the tracked states replicated. ``splits``: per item, its stack's split where known
   (the mesh axes that split its rows already come first: the blocks are where they are);
@@ -1609,7 +1691,7 @@ def on_rows(body: Callable[[list], list], items: list, splits: Optional[list] = 
   orders: dict = {}
   for j, split in enumerate(splits):
     first = tuple(n for a, n in split or [] if a == 1)
-    names = first + tuple(n for n in on.mesh.axis_names if n not in first)
+    names = first + tuple(n for n in exchange_mesh().axis_names if n not in first)
     orders.setdefault(names, []).append(j)
   out = [None] * len(items)
   for names, members in orders.items():
@@ -1655,8 +1737,9 @@ def square_split(split: Optional[list], shape: tuple, side: str,
   ``right_square``): their first axis as that side of the matrix, or, for statistics of
   a square parameter's own shape (``first``: the axis of ``(k, m, n)`` that is the
   parameter's first), both axes as the parameter's; ``[]`` where they are whole on every
-  device. ``moved``: ``held`` with the other mesh axes added to an axis they divide (the
-  exchange splits a matrix over every mesh axis; the rest is a local slice), ``None``
+  device. ``moved``: ``held`` with the exchange's other mesh axes added to an axis they
+  divide (the exchange splits a matrix over every axis it spans, :func:`exchange_mesh`;
+  the rest is a local slice), ``None``
   where they divide neither. ``values``: the split of its eigenvalues, as that side of
   the matrix. ``None`` without the owner layout."""
   on = _ACTIVE.get()
@@ -1673,7 +1756,7 @@ def square_split(split: Optional[list], shape: tuple, side: str,
   size = lambda ns: math.prod(on.mesh.shape[n] for n in ns)  # noqa: E731
   rows = [n for a, n in held if a == 1]
   cols = [n for a, n in held if a == 2]
-  rest = [n for n in on.mesh.axis_names if n not in rows + cols]
+  rest = [n for n in exchange_mesh().axis_names if n not in rows + cols]
   moved = None
   if d % size(rows + rest) == 0:
     moved = [(1, n) for n in rows + rest] + [(2, n) for n in cols]
@@ -1741,7 +1824,10 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   given = splits if splits is not None else [[None] * len(x) for x in moved]
   # a replicated matrix travels as guessed (local slices); from the state's slots, XLA summed
   # the whole owned state (SOAP, tiny, data parallel, 8 devices: 19.7x the parameters)
-  item_splits = [[list(sp) if sp else _matrix_split(x.shape, mesh)
+  # the state's slots are spread over every device, whatever axes one update's
+  # exchange spans: a split given over fewer is split further there, locally
+  item_splits = [[(spread_onto(sp, x.shape[1:], mesh.axis_names, mesh) if sp else None)
+                  or _matrix_split(x.shape, mesh)
                   for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
 
   def movable(g):  # its stacks split over the devices, its matrices over the mesh

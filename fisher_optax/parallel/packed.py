@@ -111,8 +111,8 @@ def _split_of(x, given: Any, matrix: tuple, mesh) -> Optional[list]:
 def _scan(mesh, items, groups, out_leaves, splits, replicate, layouts) -> tuple:
   """Per (group, argument position) and per (group, result position), every leaf's
   ``(split, item, k, start)``: how its arrays travel (:func:`_split_of`; results kept
-  as state: as ``layouts(args, split)`` says where that splits them over every mesh
-  axis), which item it is, its stack size and its offset in the group."""
+  as state: as ``layouts(args, split)`` says where that splits them over every axis of
+  the exchange, :func:`fisher_optax.parallel.owners.covers`), which item it is, its stack size and its offset in the group."""
   found_in: dict = {}
   found_out: dict = {}
   for g, members in enumerate(groups):
@@ -131,7 +131,7 @@ def _scan(mesh, items, groups, out_leaves, splits, replicate, layouts) -> tuple:
         shape = (k,) + tuple(o.shape[1:])
         if replicate:
           sp = want[r] if r < len(want) else None
-          sp = sp if sp is not None and len(sp) == len(mesh.axis_names) else None
+          sp = sp if owners.covers(sp, mesh) else None
         else:
           sp = _split_of(jax.ShapeDtypeStruct(shape, o.dtype), given, matrix, mesh)
         found_out.setdefault((g, r), []).append((sp if len(shape) == 3 else None, j, k, start))
@@ -317,11 +317,11 @@ def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callabl
   for ``None``, a guess from the shape (:func:`fisher_optax.parallel.owners._matrix_split`).
   With ``replicate`` (optimizer state) the results come back split as
   ``layouts(args, split)`` says, item by item and result by result, where that splits
-  them over every mesh axis, and replicated otherwise. Padding slots of an owner hold a
-  copy of its first matrix, so that no slot meets a degenerate input; their results are
-  never sent."""
+  them over every axis of the exchange, and replicated otherwise. Padding slots of an
+  owner hold a copy of its first matrix, so that no slot meets a degenerate input; their
+  results are never sent."""
   on = owners._ACTIVE.get()
-  mesh, send = on.mesh, owners.sender(on.transport_dtype)
+  mesh, send = owners.exchange_mesh(), owners.sender(on.transport_dtype)
   axes = tuple(mesh.axis_names)
   templates = [_template(items, members) for members in groups]
   shapes = [jax.eval_shape(lambda *xs: local(fn, *xs), *args) for args in templates]
@@ -342,7 +342,7 @@ def map_packed(fn: Callable[..., Any], items: list, groups: list, local: Callabl
                      + [P()] * len(pk.local)),
       out_specs=([owners._entries((len(e.at),) + out_leaves[e.g][e.pos].shape[1:], sp, axes)
                   for e, sp in zip(pk.outs, pk.out_splits)] + [P()] * len(pk.kept)),
-      check_vma=False, **owners._mesh_argument(mesh))(
+      check_vma=False, **owners._mesh_argument(on.mesh))(
           *[send(joined(e)) for e in pk.ins], *[joined(e) for e in pk.local])
   got = {}
   for e, y in zip(pk.outs + pk.kept, res):  # each entry's stack back to its leaves
