@@ -4,7 +4,8 @@ compiled program.
     python benchmarks/collectives.py [--preset tiny] [--devices 8]
                                      [--layout fsdp|fsdp_tp|hsdp|dp]
                                      [--optimizers adam,racs,alice,...] [--json FILE]
-                                     [--owner-layout default|on|off|mesh|state|leaf|replicas]
+                                     [--owner-layout default|on|off|mesh|state|leaf|replicas|
+                                                     replica-state]
                                      [--time N]
 
 The update (``tx.update`` under ``jax.jit`` with the parameters' ``NamedSharding`` s and
@@ -50,7 +51,9 @@ theirs laid out as the parameters under the owner layout, ``state_on_owners=Fals
 the others at their default; ``replicas``: the whole-matrix work of an update spread
 over the mesh axes every parameter is replicated over too,
 ``fo.OwnerLayout(across_replicas=True)``, which only a ``hsdp`` layout with the split
-known tells from the default). ``--time N`` also runs each compiled
+known tells from the default; ``replica-state``: the state kept on the owners within
+each data-parallel replica, ``fo.OwnerLayout(state_axes=...)`` naming the mesh's axes
+other than ``data``, which only ``hsdp`` tells from the default). ``--time N`` also runs each compiled
 update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
@@ -389,7 +392,7 @@ def make_mesh(layout: str, devices: int, axis_types: str = "auto"):
 
 
 OWNER = {"default": None, "on": True, "off": False, "mesh": "mesh", "state": "state",
-         "leaf": "leaf", "replicas": "replicas"}
+         "leaf": "leaf", "replicas": "replicas", "replica-state": "replica-state"}
 # the optimizers that keep their state on the owners with OwnerLayout(state_on_owners=True)
 STATE_ON_OWNERS = ("galore", "fira", "alice", "alice0", "alice_soap")
 
@@ -435,13 +438,16 @@ def build(name: str, preset: str, owner: str = "default", mesh=None, param_specs
       setting = mesh
     if setting == "replicas":
       setting = fo.OwnerLayout(across_replicas=True)
+    if setting == "replica-state":
+      setting = fo.OwnerLayout(state_axes=tuple(n for n in mesh.axis_names if n != "data"))
     if param_specs is not None and setting is not False:
       layout = fo.parallel.owners.as_layout(setting)
       # the state is placed by fo.state_shardings on the mesh (measure()): said so
       setting = fo.OwnerLayout(mesh=layout.mesh, transport_dtype=layout.transport_dtype,
                                replicated=layout.replicated, param_specs=param_specs,
                                state_placed=True, state_on_owners=layout.state_on_owners,
-                               across_replicas=layout.across_replicas)
+                               across_replicas=layout.across_replicas,
+                               state_axes=layout.state_axes)
     if setting is not None:
       kw["owner_layout"] = setting
     if max_precond_dim is not None and "max_precond_dim" in _keywords(name):
@@ -646,9 +652,10 @@ def main(argv=None):
                   "the mesh itself (the rotation family's state in the owner layout), or "
                   "state (the low-rank family's state on the owners: "
                   "OwnerLayout(state_on_owners=True)), leaf (theirs laid out as the "
-                  "parameters: state_on_owners=False), or replicas (an update's "
+                  "parameters: state_on_owners=False), replicas (an update's "
                   "whole-matrix work spread over data-parallel replicas too: "
-                  "OwnerLayout(across_replicas=True))")
+                  "OwnerLayout(across_replicas=True)), or replica-state (the state on "
+                  "the owners within each replica: OwnerLayout(state_axes=...))")
   ap.add_argument("--time", type=int, default=0, metavar="N",
                   help="also run each compiled update N times on random arrays (median "
                        "seconds, and the ratio to optax.adam's in this process)")

@@ -133,6 +133,76 @@ def test_whole_matrix_work_sends_nothing_between_the_replicas(name, explicit):
     assert _by_replicas(t) > 0, t.by_axes
 
 
+def test_state_on_the_owners_within_each_replica():
+  """``OwnerLayout(state_axes=("fsdp",))``: SOAP's state kept on the owners is padded for
+  the 4 devices of a replica and split over ``fsdp`` alone (``fo.state_shardings`` says
+  so), and its update sends nothing in a group that reaches the other replica, on
+  ``Auto`` axes with the split given and on ``Explicit`` ones; with the state over every
+  device (the default) part of it does."""
+  mesh = _mesh(AxisType.Auto)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  layout = fo.OwnerLayout(param_specs=SPECS, state_placed=True, state_axes=("fsdp",))
+  with jax.set_mesh(mesh):
+    tx = _tx("soap", layout)
+    shapes = jax.eval_shape(tx.init, params)
+  specs = fo.state_partition_specs(tx, params, SPECS, mesh=mesh)
+  owned = [(jax.tree_util.keystr(p), x.shape, sp) for (p, x), sp in zip(
+      jax.tree_util.tree_leaves_with_path(shapes),
+      jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))) if "owned" in
+      jax.tree_util.keystr(p) and x.ndim == 3]
+  assert owned
+  for path, shape, sp in owned:
+    assert shape[0] % 4 == 0 and shape[0] % 8 and tuple(sp) == ("fsdp",), (path, shape, sp)
+  # the split given on Auto axes, or read from the types of Explicit ones
+  for explicit, within in ((False, layout), (True, fo.OwnerLayout(state_axes=("fsdp",)))):
+    for t in _sent("soap", explicit, within):
+      assert t.total > 0 and _by_replicas(t) == 0, (explicit, t.by_axes)
+    for t in _sent("soap", explicit):
+      assert _by_replicas(t) > 0, (explicit, t.by_axes)
+
+
+@pytest.mark.parametrize("name", ["soap", "galore"])
+def test_a_state_over_every_device_converts_to_one_within_each_replica(name):
+  """``fo.convert_state_layout`` takes a state kept on the owners over all 8 devices
+  (after a step) to the layout of the same optimizer with ``state_axes=("fsdp",)``
+  (SOAP's stacks padded for 4), and the next update is the same."""
+  mesh = _mesh(AxisType.Auto)
+  placed = lambda t: {k: jax.device_put(x, NamedSharding(mesh, SPECS[k]))  # noqa: E731
+                      for k, x in t.items()}
+  params, grads = placed(util.random_tree(SHAPES, 0, 0.1)), placed(util.random_tree(SHAPES, 5))
+  extra = dict(state_on_owners=True) if name == "galore" else {}
+  with jax.set_mesh(mesh):
+    every = _tx(name, fo.OwnerLayout(param_specs=SPECS, state_placed=True, **extra))
+    within = _tx(name, fo.OwnerLayout(param_specs=SPECS, state_placed=True,
+                                      state_axes=("fsdp",), **extra))
+    _, state = jax.jit(every.update)(grads, jax.jit(every.init)(params), params)
+    moved = fo.convert_state_layout(state, within, params)
+    want = jax.eval_shape(within.init, params)
+    assert jax.tree.structure(moved) == jax.tree.structure(want)
+    assert [x.shape for x in jax.tree.leaves(moved)] == [x.shape for x in jax.tree.leaves(want)]
+    if name == "soap":  # its stacks padded for 4 devices, not 8 (GaLore's keep the
+      # leaves' shapes: the device count only places them)
+      assert ([x.shape for x in jax.tree.leaves(moved)]
+              != [x.shape for x in jax.tree.leaves(state)])
+    a, _ = jax.jit(every.update)(grads, state, params)
+    b, _ = jax.jit(within.update)(grads, moved, params)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(b[k]), np.asarray(a[k]), rtol=1e-5, atol=1e-7,
+                               err_msg=k)
+
+
+def test_state_axes_name_axes_of_the_mesh():
+  """An axis the mesh lacks is an error that names the mesh's axes, given with the mesh
+  or found when the optimizer is built under one."""
+  mesh = _mesh(AxisType.Auto)
+  with pytest.raises(ValueError, match=r"no axis 'model'.*\('data', 'fsdp'\)"):
+    fo.OwnerLayout(mesh=mesh, state_axes=("model",))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"no axis 'model'"):
+    _tx("soap", fo.OwnerLayout(state_axes="model"))
+  with pytest.raises(ValueError, match="mesh axis names"):
+    fo.OwnerLayout(state_axes=(1,))
+
+
 def _traced(tx, mesh):
   """Traces ``tx``'s update of the test tree under ``mesh`` (the context mesh), the
   parameters laid out by the module's specs."""
@@ -167,12 +237,18 @@ _REFERENCE = [pytest.param(n, marks=() if n in ("galore", "normuon") else pytest
               for n in ("galore", "alice", "alice_soap", "normuon", "soap")]
 
 
-@pytest.mark.parametrize("across", [False, True], ids=["replica", "across"])
+_SETTINGS = {"replica": {}, "across": dict(across_replicas=True),
+             # the state on each replica's devices; the low-rank family's asked for there
+             "state": dict(state_axes=("fsdp",))}
+
+
+@pytest.mark.parametrize("setting", list(_SETTINGS))
 @pytest.mark.parametrize("name", _REFERENCE)
-def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name, across):
+def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name, setting):
   """16 matrices 8 x 24 (SOAP: 16 x 16) split on their rows over ``fsdp`` and replicated
-  over ``data`` (the owners each replica's devices, or with ``across_replicas`` spread
-  over both axes), the split given on ``Auto`` axes, 7
+  over ``data`` (the owners each replica's devices; with ``across_replicas`` spread over
+  both axes; with ``state_axes=("fsdp",)`` the state on the owners within each replica
+  too), the split given on ``Auto`` axes, 7
   steps with refreshes where the method has them: every update equals the dense float64
   re-derivation of the paper's equations (``tests/reference.py``) within 2e-4, as the
   owners' other reference tests hold them."""
@@ -184,8 +260,11 @@ def test_updates_on_data_replicas_of_fsdp_match_the_dense_float64_reference(name
   want = util.run_reference(name, shape, grads, **kw)
   mesh = _mesh(AxisType.Auto)
   with jax.set_mesh(mesh):
+    extra = dict(_SETTINGS[setting])
+    if setting == "state" and name in ("galore", "alice", "alice_soap"):
+      extra["state_on_owners"] = True
     tx = getattr(fo, name)(util.LR, dims=util.STACK, **kw, owner_layout=fo.OwnerLayout(
-        param_specs={"w": spec}, state_placed=True, across_replicas=across))
+        param_specs={"w": spec}, state_placed=True, **extra))
     got = util.updates_on_mesh(tx, shape, grads, mesh, spec)
   for t, (a, b) in enumerate(zip(got, want), start=1):  # SOAP's first update is zero
     err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-12)

@@ -212,6 +212,8 @@ def finish(blocks: Callable[[matrices.DimsSpec], list], learning_rate, mask, dim
                                                      None) is not None,
                                  owner_placed=bool(getattr(owners.as_layout(owner),
                                                            "state_placed", False)),
+                                 owner_state_axes=getattr(owners.as_layout(owner),
+                                                          "state_axes", None),
                                  owned_devices=devices))
 
 
@@ -239,7 +241,7 @@ def _owned_devices(owner, owned: bool, name: str, stack: bool = False) -> Option
         "leave state_on_owners out.")
   devices = owners.state_devices(layout)
   if devices == owners.AUTO:
-    devices = owners.build_devices()
+    devices = owners.build_devices(layout.state_axes)
   if stack and not asked and not _may_guess(layout) and not getattr(
       layout.mesh or jax.sharding.get_abstract_mesh(), "explicit_axes", ()):
     # the split not known when built, on Auto axes of several (tensor parallelism):

@@ -32,7 +32,8 @@ replicated over (data-parallel replicas of FSDP) then carries nothing of the exc
 and each replica group repeats the whole-matrix work of its own matrices.
 ``OwnerLayout(across_replicas=True)`` spreads that work over the replicas too. State
 kept on the owners across steps (:func:`run_owned`) is spread over every device all
-the same, so that its memory falls with the device count.
+the same, so that its memory falls with the device count, unless
+``OwnerLayout(state_axes=...)`` names fewer axes (:func:`state_mesh`).
 
 Mesh: the one given to :func:`owner_layout`, else the context mesh of
 ``jax.set_mesh`` / ``jax.sharding.use_mesh`` (the ``Auto`` view that
@@ -151,7 +152,16 @@ class OwnerLayout:
       the devices of each replica group, and nothing of the exchange crosses between
       replicas, which are often the slowest links (across slices). State kept on the
       owners across steps (``state_on_owners``, the rotations' ``owners=P``) is spread
-      over every device either way.
+      over every device either way, unless ``state_axes`` says otherwise.
+    state_axes: the mesh axes that state kept on the owners across steps (the rotation
+      family's; the low-rank family's with ``state_on_owners``) is spread over: its
+      stacks padded for the size of those axes and split over them, replicated over the
+      others, its exchange within each group of their devices. ``None`` (default): every
+      mesh axis, so that its memory falls with the device count. On data-parallel
+      replicas of FSDP, ``("fsdp",)`` keeps it within each replica, as the parameters
+      are: held once per replica (twice the memory per device with two replicas), and
+      nothing of its exchange crosses between them. The parameters' split must lie
+      within these axes; a matrix split over another axis is served where it is.
   """
   mesh: Any = None
   transport_dtype: Any = None
@@ -161,6 +171,27 @@ class OwnerLayout:
   state_placed: bool = False
   state_on_owners: Any = AUTO
   across_replicas: bool = False
+  state_axes: Optional[tuple] = None
+
+  def __post_init__(self):
+    if self.state_axes is not None:
+      axes = (self.state_axes,) if isinstance(self.state_axes, str) else tuple(self.state_axes)
+      if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError("OwnerLayout(state_axes=...) takes mesh axis names, e.g. "
+                         f"('fsdp',), or None for every axis; got {self.state_axes!r}")
+      object.__setattr__(self, "state_axes", axes)
+      if self.mesh is not None:
+        _check_axes(axes, self.mesh)
+
+
+def _check_axes(axes: tuple, mesh) -> None:
+  """Raises a ``ValueError`` where ``axes`` (``OwnerLayout.state_axes``) names an axis
+  ``mesh`` lacks."""
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"OwnerLayout(state_axes={axes!r}): the mesh has no axis "
+                     f"{missing[0]!r} (its axes: {tuple(mesh.axis_names)}); name axes of "
+                     "the mesh the optimizer runs on, or None for every axis")
 
 
 class _Active(NamedTuple):
@@ -180,6 +211,8 @@ class _Active(NamedTuple):
   majors: bool = True
   # the mesh axes one update's exchanges span (:func:`exchange_axes`; None: every one)
   over: Optional[tuple] = None
+  # the mesh axes the state kept on the owners is spread over (None: every one)
+  state_over: Optional[tuple] = None
 
 
 class _Axes(NamedTuple):
@@ -278,15 +311,17 @@ def active() -> Optional[Any]:
 
 @contextlib.contextmanager
 def using(mesh: Optional[Any], transport_dtype: Any = None, specs: Optional[dict] = None,
-          held: Optional[dict] = None, majors: bool = True, over: Optional[tuple] = None):
+          held: Optional[dict] = None, majors: bool = True, over: Optional[tuple] = None,
+          state_over: Optional[tuple] = None):
   """Traces the body with the owner layout on ``mesh`` (``None``: off); ``specs``: per
   path (:func:`path_specs`), the gradient's shape and ``PartitionSpec``, where known;
   ``held``: per path, the shapes and specs of its parameter's state arrays, where known
   (:func:`state_held`); ``majors``: :func:`parameter_axes_first`; ``over``: the mesh
-  axes the exchanges span (:func:`exchange_axes`; ``None``: every one)."""
+  axes the exchanges span (:func:`exchange_axes`; ``None``: every one); ``state_over``:
+  those the state kept on the owners is spread over (``OwnerLayout.state_axes``)."""
   token = _ACTIVE.set(None if mesh is None else _Active(mesh, transport_dtype, specs,
                                                         held=held, majors=majors,
-                                                        over=over))
+                                                        over=over, state_over=state_over))
   try:
     yield
   finally:
@@ -309,13 +344,27 @@ def exchange_axes(specs: Optional[dict], mesh) -> Optional[tuple]:
   return tuple(n for n in mesh.axis_names if n in split or mesh.shape[n] == 1)
 
 
+def axes_of(mesh, axes: Optional[tuple]) -> Any:
+  """``mesh`` read as its ``axes`` alone (in the mesh's order; ``None``: ``mesh``
+  itself), for the owners' layout arithmetic."""
+  if axes is None or mesh is None:
+    return mesh
+  names = tuple(n for n in mesh.axis_names if n in axes)
+  return _Axes(names, {n: mesh.shape[n] for n in names})
+
+
 def exchange_mesh() -> Any:
   """The owners of the update being traced, as a mesh for the exchanges' layout
   arithmetic: the active mesh, or those of its axes that :func:`exchange_axes` chose."""
   on = _ACTIVE.get()
-  if on.over is None:
-    return on.mesh
-  return _Axes(tuple(on.over), {n: on.mesh.shape[n] for n in on.over})
+  return axes_of(on.mesh, on.over)
+
+
+def state_mesh() -> Any:
+  """The owners of the state kept on them across steps, as a mesh for the layout
+  arithmetic: the active mesh, or its axes ``OwnerLayout.state_axes`` names."""
+  on = _ACTIVE.get()
+  return axes_of(on.mesh, on.state_over)
 
 
 def _mesh_size(mesh) -> int:
@@ -406,20 +455,26 @@ def state_devices(setting: Any) -> Any:
   if layout is None:
     return None
   if layout.mesh is None:
+    if layout.state_axes is not None:  # asked for: those axes of the context mesh
+      return build_devices(layout.state_axes)
     return AUTO
-  size = _mesh_size(layout.mesh)
+  size = _mesh_size(axes_of(layout.mesh, layout.state_axes))
   return size if size > 1 else None
 
 
-def build_devices() -> Optional[int]:
-  """The size of the context mesh (``jax.set_mesh``) where it has several devices, else
-  ``None``: the device count ``owners="auto"`` lays state out for, read when the
-  optimizer is built (as ``stack_matrices="auto"`` reads the backend), so that its
-  state's structure is fixed by the optimizer, the same wherever ``init`` is traced."""
+def build_devices(axes: Optional[tuple] = None) -> Optional[int]:
+  """The size of the context mesh (``jax.set_mesh``; ``axes``: of those of its axes)
+  where it has several devices, else ``None``: the device count ``owners="auto"`` lays
+  state out for, read when the optimizer is built (as ``stack_matrices="auto"`` reads
+  the backend), so that its state's structure is fixed by the optimizer, the same
+  wherever ``init`` is traced."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or _mesh_size(mesh) < 2:
+  if mesh.empty:
     return None
-  return _mesh_size(mesh)
+  if axes is not None:
+    _check_axes(axes, mesh)
+  size = _mesh_size(axes_of(mesh, axes))
+  return size if size > 1 else None
 
 
 def visibly_replicated(params: Any) -> bool:
@@ -513,7 +568,10 @@ def owner_layout(tx, setting: Any = AUTO):
     if mesh is not None and not specs and _split_axes(mesh) > 1:
       mesh = _guessing(layout, mesh)
     over = None if mesh is None or layout.across_replicas else exchange_axes(specs, mesh)
-    with using(mesh, layout.transport_dtype, specs, held, majors, over):
+    if mesh is not None and layout.state_axes is not None:
+      _check_axes(layout.state_axes, mesh)
+    with using(mesh, layout.transport_dtype, specs, held, majors, over,
+               None if mesh is None else layout.state_axes):
       return tx.update(updates, state, params, **extra)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -1530,7 +1588,7 @@ def spread(x: jax.Array, major: tuple = ()) -> jax.Array:
   on = _ACTIVE.get()
   if on is None:
     return x
-  spec = spread_spec(x.shape, on.mesh, major)
+  spec = spread_spec(x.shape, state_mesh(), major)
   return x if spec == P() else _constrain(x, spec, on.mesh)
 
 
@@ -1796,7 +1854,8 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   (:func:`_matrix_split`). ``body`` gets group ``g`` as a stack of slots, matrix ``i``
   (in the order of the leaves' stacks) at slot ``slots[g][i]`` of ``lengths[g]``
   (:func:`placement`), and returns a stack in the same slots. ``owned[g]``: the group's
-  state, arrays whose leading axis is the group's slots (split over every mesh axis,
+  state, arrays whose leading axis is the group's slots (split over the state's owners,
+  every mesh axis or those of ``OwnerLayout.state_axes``, :func:`state_mesh`;
   :func:`owned_spec`) or scalars (replicated), which ``body`` must advance alike for any
   number of matrices (step counters). Returns per group the real matrices' results, a
   list of stacks in the gradients' layout and order, and the new states.
@@ -1804,7 +1863,7 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   Under the owner layout, for the groups whose slots the device count divides and whose
   matrices the mesh splits, inside ``jax.shard_map`` each device packs the blocks it
   holds of the matrices device ``o`` owns into row ``o`` of one buffer, one
-  ``all_to_all`` over all mesh axes delivers the rows, and each owner puts its matrices
+  ``all_to_all`` over the state's owners' axes delivers the rows, and each owner puts its matrices
   together and runs ``body`` on its own slots and state with no collective (a device
   that owns none of a group's matrices runs it on none: padding costs no work), and
   sends the results back the same way: each device sends about ``2/P`` of the
@@ -1818,22 +1877,28 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   on = _ACTIVE.get()
   if on is None:
     return _run_padded(body, moved, owned, slots, lengths)
-  mesh = on.mesh
+  mesh = state_mesh()  # the state's owners (OwnerLayout.state_axes), every axis by default
   size = _mesh_size(mesh)
   shapes = _body_shapes(body, moved, owned, lengths)
   given = splits if splits is not None else [[None] * len(x) for x in moved]
   # a replicated matrix travels as guessed (local slices); from the state's slots, XLA summed
   # the whole owned state (SOAP, tiny, data parallel, 8 devices: 19.7x the parameters)
-  # the state's slots are spread over every device, whatever axes one update's
-  # exchange spans: a split given over fewer is split further there, locally
-  item_splits = [[(spread_onto(sp, x.shape[1:], mesh.axis_names, mesh) if sp else None)
-                  or _matrix_split(x.shape, mesh)
-                  for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
+  # the state's slots are spread over its owners' axes, whatever axes one update's
+  # exchange spans: a split given over fewer is split further there, locally; one over
+  # an axis outside them is served where it is (not movable)
+  def own(x, sp):
+    if sp and not {n for _, n in sp} <= set(mesh.axis_names):
+      return list(sp)
+    return ((spread_onto(sp, x.shape[1:], mesh.axis_names, mesh) if sp else None)
+            or _matrix_split(x.shape, mesh))
+
+  item_splits = [[own(x, sp) for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
 
   def movable(g):  # its stacks split over the devices, its matrices over the mesh
     return (all(jnp.shape(x)[0] % size == 0 for x in jax.tree.leaves(owned[g])
                 if jnp.ndim(x)) and lengths[g] % size == 0
-            and all(sp is not None for sp in item_splits[g])
+            and all(sp is not None and {n for _, n in sp} <= set(mesh.axis_names)
+                    for sp in item_splits[g])
             and tuple(shapes[g][0].shape[1:]) == tuple(moved[g][0].shape[1:]))
 
   ways = [[g for g in range(len(moved)) if movable(g)],
@@ -1884,7 +1949,7 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
   (``splits[g][j]``, leaf ``j``'s split): one ``all_to_all`` in and one out, inside
   ``jax.shard_map``, every leaf's blocks packed from and back to its own split."""
   on = _ACTIVE.get()
-  mesh, transport = on.mesh, on.transport_dtype
+  mesh, transport = state_mesh(), on.transport_dtype
   owned_leaves, owned_tree = jax.tree.flatten(owned)
   axes = tuple(mesh.axis_names)
   owned_specs = [owned_spec(jnp.shape(x), mesh) for x in owned_leaves]
@@ -1923,7 +1988,7 @@ def _run_exchanged(body, moved: list, owned: list, slots: list, lengths: list,
                        owned_specs),
       out_specs=([_entries(x.shape, sp, axes) for x, (_, sp) in zip(stacks, entries)],
                  owned_specs),
-      check_vma=False, **_mesh_argument(mesh))(list(stacks), owned_leaves)
+      check_vma=False, **_mesh_argument(on.mesh))(list(stacks), owned_leaves)
   outs: list = [[None] * len(xs) for xs in moved]
   for (g, _), ms, o in zip(entries, members, got):
     start = 0

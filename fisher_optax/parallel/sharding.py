@@ -246,6 +246,8 @@ def owned_specs(tx, state: Any, params: Any, param_specs: Any, *,
   roles = field_roles(state)
   info = getattr(tx, "info", {})
   owner_mesh = mesh if mesh is not None else info.get("owner_mesh")
+  # the state kept on the owners over the axes the layout names (OwnerLayout.state_axes)
+  owner_mesh = owners.axes_of(owner_mesh, info.get("owner_state_axes"))
   # whether the update will know each gradient's split (Explicit axes, or the specs given
   # to its owner layout), and so lay a one-sided matrix out on its own axes first
   knows_split = bool(getattr(mesh, "explicit_axes", ())) or info.get("owner_specs", False)
