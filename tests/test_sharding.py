@@ -224,11 +224,13 @@ def _free_port():
 
 
 @pytest.mark.slow  # ~100 s on 2 cores; run with `python -m pytest -q -m slow`
-@pytest.mark.parametrize("optimizer", ["alice", "galore", "soap"])
+@pytest.mark.parametrize("optimizer", ["alice", "galore", "soap", "fo_muon"])
 def test_two_process_llama_matches_single_process(tmp_path, optimizer):
   """2 processes x 4 CPU devices (jax.distributed, gloo) == 1 process x 8 devices; GaLore's
   refreshes in the owner layout and SOAP's state on the owners (on by default under the
-  example's context mesh: the owners span both processes)."""
+  example's context mesh: the state's owners span both processes). The processes are
+  the ``data`` axis, which splits no parameter: Muon's Newton--Schulz and GaLore's
+  refreshes are owned within each process."""
   common = ["--preset", "tiny", "--optimizer", optimizer, "--steps", "4", "--eval-every", "2",
             "--eval-batches", "2", "--batch-size", "4", "--vocab-size", "512",
             "--cache-dir", str(tmp_path / "cache"), "--no-progress", "--checkpoint-every", "0",

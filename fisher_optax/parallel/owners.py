@@ -217,7 +217,8 @@ class _Active(NamedTuple):
 
 class _Axes(NamedTuple):
   """Some axes of a mesh, read as a mesh by the exchanges' layout arithmetic
-  (``axis_names``, ``shape``): the owners of one update (:func:`exchange_mesh`)."""
+  (``axis_names``, ``shape``): the owners of one update (:func:`exchange_mesh`) or of the
+  state kept on them (:func:`state_mesh`)."""
   axis_names: tuple
   shape: dict
 
