@@ -112,6 +112,28 @@ def test_the_owners_span_the_axes_the_parameters_are_split_over():
   assert fo.parallel.owners.exchange_axes(known, three) == ("fsdp", "tensor")
 
 
+@pytest.mark.parametrize("name", ["muon", pytest.param("soap", marks=pytest.mark.slow)])
+def test_axes_of_one_device_beside_the_replicas(name):
+  """MaxText names a dozen mesh axes, most of one device: on ``data`` 2 x ``stage`` 1 x
+  ``fsdp`` 4 x ``tensor`` 1, the specs naming the axes of one device too, the owners
+  are the ``fsdp`` devices (with those axes) and 3 steps give one device's updates."""
+  mesh = jax.make_mesh((2, 1, 4, 1), ("data", "stage", "fsdp", "tensor"),
+                       axis_types=(AxisType.Auto,) * 4)
+  specs = {"up": P("tensor", "fsdp"), "down": P("fsdp", "tensor"), "q": P("fsdp", None),
+           "k": P("fsdp", "stage")}
+  known = {k: (SHAPES[k], s) for k, s in specs.items()}
+  assert fo.parallel.owners.exchange_axes(known, mesh) == ("stage", "fsdp", "tensor")
+  params = util.random_tree(SHAPES, 0, 0.1)
+  grads = lambda t: util.random_tree(SHAPES, 100 + 7 * t)  # noqa: E731
+  want, _ = util.run_sharded(_tx(name), params, grads, specs, 3)
+  with jax.set_mesh(mesh):
+    got, _ = util.run_sharded(_tx(name, fo.OwnerLayout(param_specs=specs, state_placed=True)),
+                              params, grads, specs, 3, mesh)
+  for k in SHAPES:
+    np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6,
+                               err_msg=k)
+
+
 def _by_replicas(traffic):
   """What a device sends in groups that reach the other replica (any group over
   ``data``)."""
