@@ -53,8 +53,8 @@ over the mesh axes every parameter is replicated over too,
 ``fo.OwnerLayout(across_replicas=True)``, which only a ``hsdp`` layout with the split
 known tells from the default; ``replica-state``: the state kept on the owners within
 each data-parallel replica, ``fo.OwnerLayout(state_axes=...)`` naming the mesh's axes
-other than ``data``, which only ``hsdp`` tells from the default). ``--time N`` also runs each compiled
-update ``N`` times on random arrays on the CPU devices and prints its median time and
+other than ``data``, which only ``hsdp`` tells from the default). ``--time N`` also runs
+each compiled update ``N`` times on random arrays on the CPU devices and prints its median time and
 ratio to ``optax.adam``'s in the same process (on a CPU "devices" share the cores: a
 check that the layout costs no time there, not a prediction for accelerators).
 ``--top N`` lists where the bytes come from: the ``N`` largest sources of an ordinary and

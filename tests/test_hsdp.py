@@ -81,8 +81,8 @@ def test_the_split_given_on_auto_axes_sends_what_the_types_give(name):
 @pytest.mark.parametrize("name", ["muon", "galore"])
 def test_updates_on_data_replicas_of_fsdp_are_one_devices(name, explicit):
   """5 steps (GaLore refreshing every 2) on the 2 x 4 mesh, the split given on ``Auto``
-  axes or read from the types on ``Explicit`` ones, give one device's parameters. The gradients have a separated spectrum at the
-  rank: on i.i.d. Gaussian ones, whose spectrum is flat there, a few subspace-iteration
+  axes or read from the types on ``Explicit`` ones, give one device's parameters. The
+  gradients have a separated spectrum at the rank: on i.i.d. Gaussian ones, whose spectrum is flat there, a few subspace-iteration
   steps amplify float32 rounding (any change in the order of the sums, a replicated
   tree under the owner layout included) to 0.3 to 0.5% of a 128 x 64 matrix's change."""
   params = util.random_tree(SHAPES, 0, 0.1)
@@ -95,6 +95,26 @@ def test_updates_on_data_replicas_of_fsdp_are_one_devices(name, explicit):
     got, _ = util.run_sharded(_tx(name) if explicit else _tx(name, _given()), params,
                               grads, SPECS, 5, mesh)
   util.assert_close_change(got, want, params, name)
+
+
+@pytest.mark.parametrize("name", ["muon", "galore"])
+def test_bfloat16_parameters_on_data_replicas_of_fsdp(name):
+  """bfloat16 parameters and gradients, 3 steps on the 2 x 4 mesh with the split given
+  (the owners each replica's devices): the parameters stay bfloat16 and finite, and
+  equal one device's bfloat16 run to within one bfloat16 rounding of parameters of 0.1
+  (the owners compute in float32 either way)."""
+  bf = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)  # noqa: E731
+  params = bf(util.random_tree(SHAPES, 0, 0.1))
+  grads = lambda t: bf(util.random_tree(SHAPES, 100 + 7 * t))  # noqa: E731
+  want, _ = util.run_sharded(_tx(name), params, grads, SPECS, 3)
+  with jax.set_mesh(_mesh(AxisType.Auto)):
+    got, _ = util.run_sharded(_tx(name, _given()), params, grads, SPECS, 3,
+                              _mesh(AxisType.Auto))
+  for k in SHAPES:
+    assert got[k].dtype == jnp.bfloat16, k
+    a, b = np.asarray(got[k], np.float32), np.asarray(want[k], np.float32)
+    assert np.isfinite(a).all(), k
+    np.testing.assert_allclose(a, b, rtol=0, atol=2 ** -9, err_msg=k)
 
 
 def test_the_owners_span_the_axes_the_parameters_are_split_over():

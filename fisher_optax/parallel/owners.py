@@ -1153,10 +1153,11 @@ def spread_onto(split: list, matrix: tuple, axes: tuple, mesh) -> Optional[list]
 def held_where_replicated(leaves: list, views: list, specs: list) -> list:
   """``leaves`` (an update's arrays, with their matrix views and the ``PartitionSpec`` s
   the update knows them by, ``None`` where not known) kept in their own layout where
-  the owner layout's exchange splits their matrices further over mesh axes they are
-  replicated over (:func:`view_split`: data parallelism beside FSDP, the owners
-  spread over both). Their slices then come off the array where it enters the
-  exchange, a local slice; unpinned, XLA computed what produced them (the momentum
+  an exchange over every mesh axis would split their matrices further over mesh axes
+  they are replicated over (:func:`view_split`: data parallelism beside FSDP; the
+  state kept on the owners is spread over every axis by default, and so is one
+  update's work with ``across_replicas``). Their slices then come off the array where
+  it enters the exchange, a local slice; unpinned, XLA computed what produced them (the momentum
   whose new state is replicated over those axes) on the slices and gathered the state
   back (tiny LLaMA, data 2 x FSDP 4 on 8 CPU devices, ``Auto`` axes, specs given:
   Muon's update sent 0.289x of the parameter bytes per step unpinned, 0.214x pinned,
@@ -1738,8 +1739,9 @@ def on_rows(body: Callable[[list], list], items: list, splits: Optional[list] = 
   """``body(items)`` (a refresh of stacks, ``[(operand, basis, tracked, noise), ...]``
   -> ``[(basis, tracked), ...]``) inside a ``shard_map`` where every device holds a
   contiguous block of each operand's and basis' rows, split over every mesh axis the
-  exchange spans (:func:`exchange_mesh`), and the rest whole; ``fisher_optax.linalg.rows_split`` makes the reductions over rows sum
-  over the devices, so the mathematics is one matrix's. The bases come back split so,
+  exchange spans (:func:`exchange_mesh`), and the rest whole;
+  ``fisher_optax.linalg.rows_split`` makes the reductions over rows sum over the
+  devices, so the mathematics is one matrix's. The bases come back split so,
   the tracked states replicated. ``splits``: per item, its stack's split where known
   (the mesh axes that split its rows already come first: the blocks are where they are);
   items whose axes come in another order run in a ``shard_map`` of their own."""
@@ -1864,8 +1866,8 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   Under the owner layout, for the groups whose slots the device count divides and whose
   matrices the mesh splits, inside ``jax.shard_map`` each device packs the blocks it
   holds of the matrices device ``o`` owns into row ``o`` of one buffer, one
-  ``all_to_all`` over the state's owners' axes delivers the rows, and each owner puts its matrices
-  together and runs ``body`` on its own slots and state with no collective (a device
+  ``all_to_all`` over the state's owners' axes delivers the rows, and each owner puts
+  its matrices together and runs ``body`` on its own slots and state with no collective (a device
   that owns none of a group's matrices runs it on none: padding costs no work), and
   sends the results back the same way: each device sends about ``2/P`` of the
   matrices' bytes per update and no padding slot travels. Each leaf's blocks travel
@@ -1884,18 +1886,10 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
   given = splits if splits is not None else [[None] * len(x) for x in moved]
   # a replicated matrix travels as guessed (local slices); from the state's slots, XLA summed
   # the whole owned state (SOAP, tiny, data parallel, 8 devices: 19.7x the parameters)
-  # the state's slots are spread over its owners' axes, whatever axes one update's
-  # exchange spans: a split given over fewer is split further there, locally; one over
-  # an axis outside them is served where it is (not movable)
-  def own(x, sp):
-    if sp and not {n for _, n in sp} <= set(mesh.axis_names):
-      return list(sp)
-    return ((spread_onto(sp, x.shape[1:], mesh.axis_names, mesh) if sp else None)
-            or _matrix_split(x.shape, mesh))
+  item_splits = [[_owned_split(x.shape, sp, mesh) for x, sp in zip(xs, sps)]
+                 for xs, sps in zip(moved, given)]
 
-  item_splits = [[own(x, sp) for x, sp in zip(xs, sps)] for xs, sps in zip(moved, given)]
-
-  def movable(g):  # its stacks split over the devices, its matrices over the mesh
+  def movable(g):  # its stacks split over the devices, its matrices over the owners
     return (all(jnp.shape(x)[0] % size == 0 for x in jax.tree.leaves(owned[g])
                 if jnp.ndim(x)) and lengths[g] % size == 0
             and all(sp is not None and {n for _, n in sp} <= set(mesh.axis_names)
@@ -1914,6 +1908,19 @@ def run_owned(body: Callable[[int, jax.Array, Any], tuple], moved: list, owned: 
       for g, o, st in zip(way, *got):
         outs[g], new[g] = o, st
   return outs, new
+
+
+def _owned_split(shape: tuple, split: Optional[list], mesh) -> Optional[list]:
+  """How a stack of ``shape`` travels to the state's owners (``mesh``:
+  :func:`state_mesh`) from ``split`` (its known split; ``None`` or ``[]``: guessed from
+  the shape, :func:`_matrix_split`): the state's slots are spread over the owners' axes
+  whatever axes one update's exchange spans, so a split over fewer is split further
+  there, locally (:func:`spread_onto`); one over an axis outside them is returned as it
+  is, for :func:`run_owned` to serve where it is."""
+  if split and not {n for _, n in split} <= set(mesh.axis_names):
+    return list(split)
+  return ((spread_onto(split, shape[1:], mesh.axis_names, mesh) if split else None)
+          or _matrix_split(shape, mesh))
 
 
 def _body_shapes(body, moved: list, owned: list, lengths: list) -> list:

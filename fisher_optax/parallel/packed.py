@@ -112,7 +112,8 @@ def _scan(mesh, items, groups, out_leaves, splits, replicate, layouts) -> tuple:
   """Per (group, argument position) and per (group, result position), every leaf's
   ``(split, item, k, start)``: how its arrays travel (:func:`_split_of`; results kept
   as state: as ``layouts(args, split)`` says where that splits them over every axis of
-  the exchange, :func:`fisher_optax.parallel.owners.covers`), which item it is, its stack size and its offset in the group."""
+  the exchange, :func:`fisher_optax.parallel.owners.covers`), which item it is, its
+  stack size and its offset in the group."""
   found_in: dict = {}
   found_out: dict = {}
   for g, members in enumerate(groups):
